@@ -1,0 +1,1 @@
+"""Contracts shared by the CONF-KV engine, agent and operator."""

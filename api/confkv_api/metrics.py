@@ -1,0 +1,32 @@
+"""Prometheus metric names: the contract between engine, agent, alert rules and dashboards.
+
+Every name carries the ``confkv_`` prefix. Histograms expose ``_bucket``/``_sum``/``_count``;
+counters expose ``_total``.
+"""
+
+# Engine: KV cache.
+KV_CACHE_USAGE_RATIO = "confkv_kv_cache_usage_ratio"  # gauge, used blocks / total blocks
+KV_CACHE_BYTES = "confkv_kv_cache_bytes"  # gauge, labels: tier=full|key_only|free|total
+KV_CACHE_CAPACITY_BYTES = "confkv_kv_cache_capacity_bytes"  # gauge, bytes of the whole pool
+PREFIX_CACHE_HIT_RATIO = "confkv_prefix_cache_hit_ratio"  # gauge, hit tokens / queried tokens
+PREFIX_CACHE_QUERIED_TOKENS = "confkv_prefix_cache_queried_tokens"  # counter
+PREFIX_CACHE_HIT_TOKENS = "confkv_prefix_cache_hit_tokens"  # counter
+
+# Engine: scheduler and requests.
+REQUESTS_RUNNING = "confkv_requests_running"  # gauge
+REQUESTS_WAITING = "confkv_requests_waiting"  # gauge
+REQUEST_LATENCY_SECONDS = "confkv_request_latency_seconds"  # histogram, end-to-end
+TIME_TO_FIRST_TOKEN_SECONDS = "confkv_time_to_first_token_seconds"  # histogram
+PROMPT_TOKENS = "confkv_prompt_tokens"  # counter
+GENERATION_TOKENS = "confkv_generation_tokens"  # counter
+PREEMPTIONS = "confkv_preemptions"  # counter
+OOM_ERRORS = "confkv_oom_errors"  # counter
+REQUESTS_FINISHED = "confkv_requests_finished"  # counter, label: reason=stop|length|abort|error
+
+# Engine: device.
+DEVICE_MEMORY_USED_BYTES = "confkv_device_memory_used_bytes"  # gauge, label: device
+DEVICE_MEMORY_TOTAL_BYTES = "confkv_device_memory_total_bytes"  # gauge, label: device
+
+# Agent.
+AGENT_ALERT_STATE = "confkv_agent_alert_state"  # gauge, labels: alert, state (0/1)
+AGENT_REMEDIATIONS = "confkv_agent_remediations"  # counter, labels: alert, action, result

@@ -1,0 +1,1 @@
+"""CONF-KV Kubernetes operator (Kopf)."""
