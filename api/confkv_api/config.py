@@ -272,8 +272,11 @@ def with_overrides(config: ConfKVConfig, section: str, **values: Any) -> ConfKVC
     current = dump_config(config)
     sub = getattr(config, section).model_dump(mode="json", by_alias=False)
     sub.update({k: v for k, v in values.items() if v is not None})
-    current[section] = type(getattr(config, section)).model_validate(sub).model_dump(
-        mode="json", by_alias=True)
+    try:
+        validated = type(getattr(config, section)).model_validate(sub)
+    except ValidationError as err:
+        raise ConfigError(f"invalid {section} settings: {_format_errors(err)}") from None
+    current[section] = validated.model_dump(mode="json", by_alias=True)
     return load_config(current)
 
 
