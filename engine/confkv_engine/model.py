@@ -94,7 +94,7 @@ def llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
     dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = args.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "llama3":

@@ -1,0 +1,195 @@
+"""Load a llama.cpp GGUF file (llama / qwen2 architectures) into ``LlamaForCausalLM``.
+
+Quantized tensors are dequantized with ``gguf.quants.dequantize`` (vectorised numpy, one tensor at a
+time) to fp32, then cast to the requested dtype. llama.cpp's converter permutes the rows of Q and K
+in llama-architecture files for its interleaved RoPE; the model here uses the half-split (NeoX/HF)
+layout, so those rows are permuted back. qwen2 files are written unpermuted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .gguf_reader import GGUFContents, GGUFTensor, read_gguf
+from .model import ModelArgs, rope_inv_freq
+from .weights import ModelLoadError
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+# Types gguf.quants can dequantize that we accept (the i-quants are far too slow in numpy).
+SUPPORTED_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+)
+
+_CHUNK_ELEMENTS = 1 << 22
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    args: ModelArgs
+    architecture: str
+    metadata: dict[str, Any]
+    contents: GGUFContents
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> ``LlamaForCausalLM`` parameter name (None for ``rope_freqs``)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name == "rope_freqs.weight":
+        return None
+    match = _BLOCK_RE.match(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise ModelLoadError(f"unsupported tensor {gguf_name!r} in GGUF file")
+    layer, kind, suffix = match.groups()
+    return f"layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's ``permute``: rows per head go from interleaved pairs
+    (x0, x_{D/2}, x1, ...) back to the half-split order (x0..x_{D/2-1}, x_{D/2}..)."""
+    rest = w.shape[1:]
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's ``permute`` (HF half-split -> llama.cpp interleaved); used by tests."""
+    rest = w.shape[1:]
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _meta(metadata: dict[str, Any], key: str, default: Any = None, required: bool = False) -> Any:
+    if key in metadata:
+        return metadata[key]
+    if required:
+        raise ModelLoadError(f"GGUF metadata lacks required key {key!r}")
+    return default
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = _meta(metadata, f"{arch}.rope.scaling.type", "none")
+    factor = _meta(metadata, f"{arch}.rope.scaling.factor")
+    if kind == "none" and _meta(metadata, f"{arch}.rope.scale_linear") is not None:
+        kind, factor = "linear", metadata[f"{arch}.rope.scale_linear"]
+    if kind == "none" or factor in (None, 0.0, 1.0):
+        return None
+    if kind != "linear":
+        raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r} (supported: linear)")
+    return {"rope_type": "linear", "factor": float(factor)}
+
+
+def args_from_gguf(metadata: dict[str, Any], tensors: dict[str, GGUFTensor]) -> ModelArgs:
+    """Architecture metadata (``llama.*`` / ``qwen2.*``) -> ModelArgs."""
+    arch = _meta(metadata, "general.architecture", required=True)
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    hidden = int(_meta(metadata, f"{arch}.embedding_length", required=True))
+    heads = int(_meta(metadata, f"{arch}.attention.head_count", required=True))
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError("GGUF file has no token_embd.weight tensor")
+    vocab = tensors["token_embd.weight"].shape[0]
+    return ModelArgs(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_meta(metadata, f"{arch}.feed_forward_length", required=True)),
+        num_layers=int(_meta(metadata, f"{arch}.block_count", required=True)),
+        num_heads=heads,
+        num_kv_heads=int(_meta(metadata, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_meta(metadata, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_meta(metadata, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_meta(metadata, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(metadata, arch),
+        max_position_embeddings=int(_meta(metadata, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        extra={"architecture": arch, "gguf_file_type": metadata.get("general.file_type")},
+    )
+
+
+def dequantize(tensor: GGUFTensor) -> np.ndarray:
+    """Raw GGUF tensor -> writable fp32 numpy array in torch's (row-major, reversed-ne) shape."""
+    import gguf.quants
+
+    if tensor.type_name not in SUPPORTED_TYPES:
+        raise ModelLoadError(
+            f"tensor {tensor.name!r} has unsupported type {tensor.type_name} "
+            f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
+        )
+    raw = tensor.data
+    if tensor.type_name in ("F32", "F16"):
+        return np.array(gguf.quants.dequantize(raw, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
+    # gguf.quants.dequantize works in groups of 16 rows (Python overhead per group); whole chunks of
+    # rows through the same block kernel are several times faster and keep the temporaries bounded.
+    kernel = getattr(gguf.quants, tensor.type_name)
+    rows = raw.reshape(-1, raw.shape[-1])
+    out = np.empty((rows.shape[0], tensor.shape[-1]), dtype=np.float32)
+    step = max(1, _CHUNK_ELEMENTS // tensor.shape[-1])
+    for start in range(0, rows.shape[0], step):
+        out[start : start + step] = kernel.dequantize_rows(rows[start : start + step])
+    return out.reshape(tensor.shape)
+
+
+def iter_tensors(model: GGUFModel) -> Iterator[tuple[str, Tensor]]:
+    """(model parameter name, fp32 tensor) for every weight, Q/K rows un-permuted for llama files."""
+    args = model.args
+    permuted = model.architecture == "llama"
+    for name, tensor in model.contents.tensors.items():
+        target = hf_name(name)
+        if target is None:
+            continue
+        array = dequantize(tensor)
+        if permuted and target.endswith(("q_proj.weight", "q_proj.bias")):
+            array = unpermute_rows(array, args.num_heads)
+        elif permuted and target.endswith(("k_proj.weight", "k_proj.bias")):
+            array = unpermute_rows(array, args.num_kv_heads)
+        yield target, torch.from_numpy(np.ascontiguousarray(array))  # writable: dequantize copies
+
+
+def rope_freqs(model: GGUFModel) -> Tensor | None:
+    """Llama-3.x GGUFs store their RoPE scaling as per-dimension divisors in ``rope_freqs.weight``."""
+    tensor = model.contents.tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return None
+    factors = torch.from_numpy(dequantize(tensor).copy()).double()
+    if factors.shape != (model.args.head_dim // 2,):
+        raise ModelLoadError(
+            f"rope_freqs.weight has shape {tuple(factors.shape)}, expected ({model.args.head_dim // 2},)"
+        )
+    return (rope_inv_freq(model.args).double() / factors).float()
+
+
+def open_gguf(path: str | Path) -> GGUFModel:
+    contents = read_gguf(path)
+    args = args_from_gguf(contents.metadata, contents.tensors)
+    return GGUFModel(
+        args=args, architecture=args.extra["architecture"], metadata=contents.metadata, contents=contents
+    )

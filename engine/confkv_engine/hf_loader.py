@@ -1,0 +1,89 @@
+"""Load a Hugging Face model directory: ``config.json`` plus single or sharded safetensors
+(``model.safetensors`` or ``model.safetensors.index.json``); ``pytorch_model*.bin`` as a fallback.
+The tokenizer side (tokenizer.json, tokenizer_config.json, generation_config.json) is in tokenizer.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .model import ModelArgs
+from .weights import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def read_config(path: str | Path) -> ModelArgs:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json (not a Hugging Face model directory)")
+    try:
+        cfg: dict[str, Any] = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r} in {cfg_file} "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    try:
+        args = ModelArgs.from_hf_config(cfg)
+    except KeyError as exc:
+        raise ModelLoadError(f"{cfg_file} lacks required key {exc}") from None
+    except ValueError as exc:
+        raise ModelLoadError(f"{cfg_file}: {exc}") from None
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+    if window and window < args.max_position_embeddings:
+        # Attention here is full, which equals sliding-window attention only up to the window.
+        log.warning("sliding window %d: limiting the context to it", window)
+        args = dataclasses.replace(args, max_position_embeddings=int(window))
+    return dataclasses.replace(args, extra={**args.extra, "architecture": model_type})
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The checkpoint files of a directory, in a stable order."""
+    path = Path(path)
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            files = [path / f for f in dict.fromkeys(weight_map.values())]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ModelLoadError(f"{index} names missing shard(s): {', '.join(missing)}")
+            return files
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (path / single).is_file():
+            return [path / single]
+    raise ModelLoadError(f"{path} has no model.safetensors(.index.json) or pytorch_model.bin")
+
+
+def _param_name(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def iter_tensors(path: str | Path) -> Iterator[tuple[str, Tensor]]:
+    """(model parameter name, tensor) for every tensor of every shard, one at a time."""
+    from safetensors import safe_open
+
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield _param_name(name), f.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            for name, tensor in state.items():
+                yield _param_name(name), tensor

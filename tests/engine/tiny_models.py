@@ -1,0 +1,117 @@
+"""Randomly initialised tiny Llama / Qwen2 models saved as Hugging Face directories, plus reference
+logits from transformers, for parity tests (dense here; the paged-cache tests reuse these helpers).
+
+    hf_model, model_dir = make_tiny_hf_model("llama", tmp_path)
+    tokens, ref = hf_greedy_reference(hf_model, prompt_ids, steps=20)   # ref: [len(tokens), V] fp32
+    ours = dense_logits(loaded.model, tokens, prompt_len=len(prompt_ids))
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from torch import Tensor
+
+from confkv_engine.model import DenseAttention, LlamaForCausalLM
+
+VOCAB_SIZE = 320
+SPECIALS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
+CHATML = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+ARCHS = ("llama", "qwen2")
+
+
+def tiny_config(arch: str):  # -> transformers.PretrainedConfig
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=257,
+        initializer_range=0.1,
+    )
+    if arch == "llama":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return transformers.LlamaConfig(**common, rope_scaling=scaling, rope_theta=10000.0)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
+    raise ValueError(f"unknown arch {arch!r}")
+
+
+def byte_level_tokenizer() -> HFTokenizer:
+    """A byte-level BPE over the 256-byte alphabet with a few merges and ChatML specials."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    specials_at = len(vocab)
+    for i, tok in enumerate(SPECIALS):
+        vocab[tok] = specials_at + i
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    return backend
+
+
+def make_tiny_hf_model(arch: str, tmp_path: Path, *, sharded: bool | None = None, seed: int = 0):
+    """Random tiny model saved to ``tmp_path / arch`` (safetensors; Llama sharded by default)
+    with tokenizer.json and tokenizer_config.json. Returns (eval-mode transformers model, dir)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch)
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    hf_model = cls(config).eval()
+    model_dir = Path(tmp_path) / arch
+    sharded = arch == "llama" if sharded is None else sharded
+    hf_model.save_pretrained(model_dir, safe_serialization=True, max_shard_size="100KB" if sharded else "1GB")
+    byte_level_tokenizer().save(str(model_dir / "tokenizer.json"))
+    tokenizer_config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return hf_model, model_dir
+
+
+@torch.no_grad()
+def hf_greedy_reference(hf_model, prompt_ids: list[int], steps: int = 20) -> tuple[list[int], Tensor]:
+    """Greedy-decode ``steps`` tokens with transformers (full re-forward each step), then return the
+    whole sequence and the fp32 logits at every position [len(prompt)+steps, V]."""
+    tokens = list(prompt_ids)
+    for _ in range(steps):
+        logits = hf_model(torch.tensor([tokens])).logits[0, -1]
+        tokens.append(int(logits.argmax()))
+    return tokens, hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+@torch.no_grad()
+def dense_logits(model: LlamaForCausalLM, tokens: list[int], prompt_len: int) -> Tensor:
+    """Our model through DenseAttention: one prefill over the prompt, then one token per step.
+    Returns fp32 logits at every position [len(tokens), V]."""
+    backend = DenseAttention()
+    hidden = model(torch.tensor(tokens[:prompt_len]), torch.arange(prompt_len), backend)
+    rows = [model.compute_logits(hidden)]
+    for pos in range(prompt_len, len(tokens)):
+        hidden = model(torch.tensor([tokens[pos]]), torch.tensor([pos]), backend)
+        rows.append(model.compute_logits(hidden))
+    return torch.cat(rows)
