@@ -299,11 +299,15 @@ class Toleration(_Model):
     toleration_seconds: int | None = Field(default=None, ge=0)
 
 
+#: A Kubernetes resource quantity ("4", "500m", "96Gi", "1e3").
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkKMGTPE]i?)?$"
+
+
 class ResourceQuantities(_Model):
     """Kubernetes quantities, e.g. ``cpu: "4"``, ``memory: "96Gi"``."""
 
-    cpu: str | None = None
-    memory: str | None = None
+    cpu: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    memory: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
 
 
 class ResourcesSpec(_Model):
@@ -323,7 +327,7 @@ class CacheStorageSpec(_Model):
     type: Literal["emptyDir", "pvc", "hostPath"] = "emptyDir"
     claim_name: str | None = None
     host_path: str | None = None
-    size: str | None = None
+    size: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
     mount_path: str = "/var/cache/confkv"
 
     @model_validator(mode="after")
@@ -343,7 +347,7 @@ class ModelStorageSpec(_Model):
 
     claim_name: str | None = None
     mount_path: str = "/models"
-    size: str | None = None
+    size: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
 
 
 class ImageSpec(_Model):

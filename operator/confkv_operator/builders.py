@@ -1,0 +1,113 @@
+"""Pure builders: a validated spec in, Kubernetes object dicts out (no I/O, no Kopf).
+
+Names: the Deployment, Service and PodDisruptionBudget carry the CR's name; the ConfigMap is
+``<name>-config``; the agent's ServiceAccount, Role and RoleBinding are ``<name>-agent``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from confkv_api.config import ConfKVConfig, DeploymentSpec, dump_config
+
+from . import names as n
+from .monitoring import build_prometheus_rule
+from .pod import build_deployment
+from .rbac import AGENT_RULES
+from .settings import OperatorSettings
+
+Obj = dict[str, Any]
+
+
+def engine_config(spec: DeploymentSpec) -> ConfKVConfig:
+    """confkv.json: the CR's five config sections plus the fields the operator owns inside the pod."""
+    engine = spec.engine.model_copy(update={
+        "host": "0.0.0.0",  # the Service reaches the engine over the pod network
+        "grpc_socket": f"{n.SOCKET_DIR}/engine.sock",  # shared emptyDir, never on the network
+        "cache_dir": spec.cache_storage.mount_path,
+        "api_key": None,
+    })
+    return ConfKVConfig(model=spec.model, engine=engine, confkv=spec.confkv, alerts=spec.alerts,
+                        remediation=spec.remediation)
+
+
+def _meta(name: str, owner_name: str) -> Obj:
+    return {"name": name, "labels": n.common_labels(owner_name)}
+
+
+def build_config_map(name: str, spec: DeploymentSpec) -> Obj:
+    document = json.dumps(dump_config(engine_config(spec)), indent=2, sort_keys=True)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(n.config_map_name(name), name),
+            "data": {n.CONFIG_FILE: document}}
+
+
+def build_service(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> Obj:
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": n.selector_labels(name),
+            "ports": [
+                {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"},
+                {"name": "agent-http", "port": settings.agent_port, "targetPort": "agent-http",
+                 "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_service_account(name: str) -> Obj:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(n.agent_account_name(name), name)}
+
+
+def build_role(name: str) -> Obj:
+    rules = [dict(rule) for rule in AGENT_RULES]
+    for rule in rules:
+        if n.PLURAL in rule["resources"]:
+            rule["resourceNames"] = [name]  # the agent reads its own CR only
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(n.agent_account_name(name), name), "rules": rules}
+
+
+def build_role_binding(name: str, namespace: str) -> Obj:
+    account = n.agent_account_name(name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(account, name),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+    }
+
+
+def build_pdb(name: str) -> Obj:
+    # maxUnavailable (not minAvailable) so a single-replica deployment never blocks a node drain.
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, name),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": n.selector_labels(name)}}}
+
+
+def build_service_monitor(name: str) -> Obj:
+    endpoints = [{"port": port, "path": "/metrics", "interval": "30s"} for port in ("http", "agent-http")]
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(name, name),
+            "spec": {"selector": {"matchLabels": n.selector_labels(name)}, "endpoints": endpoints}}
+
+
+def build_children(name: str, namespace: str, spec: DeploymentSpec, settings: OperatorSettings,
+                   monitoring: frozenset[str] = frozenset()) -> list[Obj]:
+    """Every child of one CR, in creation order. ``monitoring`` holds the kinds whose CRDs exist
+    (``ServiceMonitor``, ``PrometheusRule``)."""
+    children = [
+        build_config_map(name, spec),
+        build_service_account(name),
+        build_role(name),
+        build_role_binding(name, namespace),
+        build_deployment(name, spec, settings),
+        build_service(name, spec, settings),
+        build_pdb(name),
+    ]
+    if "ServiceMonitor" in monitoring:
+        children.append(build_service_monitor(name))
+    if "PrometheusRule" in monitoring:
+        rule = build_prometheus_rule(name, spec.alerts)
+        rule["metadata"].setdefault("labels", {}).update(n.common_labels(name))
+        children.append(rule)
+    return children

@@ -1,0 +1,159 @@
+"""Kopf handlers, kept thin: validate, build (pure), ensure (kube.py), compute status (pure).
+
+``register`` wires the handlers into a registry with the settings' timer interval, so ``main`` and the
+tests run the same operator with their own settings.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from confkv_api.config import ConfigError, DeploymentSpec, load_deployment_spec
+
+from . import names as n
+from .builders import build_children
+from .kube import Kube, KubeError
+from .settings import OperatorSettings
+from .status import compute_status, invalid_status, last_remediation, merge_conditions, status_delta
+
+log = logging.getLogger(__name__)
+_MONITORING_GV = "monitoring.coreos.com/v1"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _write_status(patch: kopf.Patch, current: Mapping[str, Any], desired: dict[str, Any]) -> None:
+    desired = {**desired, "conditions": merge_conditions(current.get("conditions") or [],
+                                                         desired["conditions"], _now())}
+    for key, value in status_delta(current, desired).items():
+        patch.status[key] = value
+
+
+def _validate(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int,
+              patch: kopf.Patch) -> DeploymentSpec | str:
+    """The validated spec, or the error message (after recording it in the status)."""
+    try:
+        return load_deployment_spec(dict(spec))
+    except ConfigError as err:
+        _write_status(patch, status, invalid_status(str(err), generation))
+        return str(err)
+
+
+def _temporary(err: KubeError) -> kopf.TemporaryError:
+    # Unreachable server, conflicts and throttling clear up quickly; other rejections need a human.
+    delay = 5 if err.status in (0, 409, 429) or err.status >= 500 else 60
+    return kopf.TemporaryError(f"Kubernetes API: {err}", delay=delay)
+
+
+def sync(body: kopf.Body, spec: DeploymentSpec, memo: kopf.Memo, patch: kopf.Patch) -> dict[str, int]:
+    """Ensure every child and refresh the status; returns counts of created/patched/unchanged children."""
+    kube: Kube = memo.kube
+    settings: OperatorSettings = memo.settings
+    name, namespace = body.metadata.name, body.metadata.namespace
+    monitoring = kube.served_kinds(_MONITORING_GV) & {"ServiceMonitor", "PrometheusRule"}
+    children = build_children(name, namespace, spec, settings, monitoring)
+    kopf.adopt(children, owner=body)
+    counts = {"created": 0, "patched": 0, "unchanged": 0}
+    for child in children:
+        counts[kube.ensure(child)] += 1
+    deployment = kube.get("apps/v1", "Deployment", namespace, name)
+    desired = compute_status(name, namespace, spec.engine.port, spec.model.hf_id or spec.model.source,
+                             spec.replicas, body.metadata.get("generation") or 0, deployment)
+    remediation = last_remediation(kube.list_pods(namespace, n.selector_string(name)))
+    if remediation:
+        desired["lastRemediation"] = remediation
+    _write_status(patch, body.get("status") or {}, desired)
+    return counts
+
+
+def reconcile(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, reason: str) -> None:
+    """create / resume / update: an invalid spec fails permanently (until the next edit)."""
+    generation = body.metadata.get("generation") or 0
+    spec = _validate(body.get("spec") or {}, body.get("status") or {}, generation, patch)
+    if isinstance(spec, str):
+        kopf.warn(body, reason="InvalidSpec", message=spec)
+        raise kopf.PermanentError(spec)  # retried only when the spec changes
+    try:
+        counts = sync(body, spec, memo, patch)
+    except KubeError as err:
+        raise _temporary(err) from None
+    log.info("%s %s/%s: %s", reason, body.metadata.namespace, body.metadata.name, counts)
+
+
+def resync(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch) -> None:
+    """Timer: restore drifted or deleted children and refresh the status. Never raises for bad specs."""
+    generation = body.metadata.get("generation") or 0
+    spec = _validate(body.get("spec") or {}, body.get("status") or {}, generation, patch)
+    if isinstance(spec, str):
+        return
+    try:
+        counts = sync(body, spec, memo, patch)
+    except KubeError as err:
+        log.warning("resync %s/%s: %s", body.metadata.namespace, body.metadata.name, err)
+        return
+    if counts["created"] or counts["patched"]:
+        log.info("resync %s/%s restored children: %s", body.metadata.namespace, body.metadata.name, counts)
+        kopf.info(body, reason="ChildrenRestored",
+                  message=f"re-created {counts['created']}, restored {counts['patched']} drifted children")
+
+
+def configure(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:
+    """Kopf settings: progress in annotations (the CRD's structural status schema prunes unknown fields)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=n.KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=n.KOPF_PREFIX, key="last-handled-configuration")
+    # Kopf needs a finalizer to stop the timer cleanly on deletion; name it after our group.
+    settings.persistence.finalizer = n.FINALIZER
+    settings.posting.level = logging.WARNING  # Events on the CR for failures only
+    settings.execution.max_workers = 8
+    # A deletion waits for a running (sync, uncancellable) timer to finish; Kopf re-checks only every
+    # 60 s by default, which would hold the finalizer that long.
+    settings.background.cancellation_polling = min(1.0, ours.resync_seconds)
+    settings.peering.standalone = ours.standalone
+    if ours.peering_name:
+        settings.peering.name = ours.peering_name
+        settings.peering.priority = ours.peering_priority
+
+
+def register(registry: kopf.OperatorRegistry, ours: OperatorSettings, kube: Kube | None = None) -> None:
+    """Attach every handler to ``registry``. ``kube`` may be injected (tests); else built at start-up."""
+    resource = (n.GROUP, n.VERSION, n.PLURAL)
+
+    @kopf.on.startup(registry=registry)
+    def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure(settings, ours)
+        memo.settings = ours
+        memo.kube = kube or Kube.from_environment()
+
+    @kopf.on.login(registry=registry)
+    def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # In-cluster service account first, else $KUBECONFIG / ~/.kube/config (Kopf's own readers).
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.create(*resource, registry=registry)
+    def _create(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
+        reconcile(body, memo, patch, "created")
+
+    @kopf.on.resume(*resource, registry=registry)
+    def _resume(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
+        reconcile(body, memo, patch, "resumed")
+
+    @kopf.on.update(*resource, registry=registry, field="spec")
+    def _update(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
+        reconcile(body, memo, patch, "updated")
+
+    @kopf.on.delete(*resource, registry=registry, optional=True)
+    def _delete(body: kopf.Body, **_: Any) -> None:
+        # No finalizer: every child has an ownerReference, so the garbage collector removes them.
+        log.info("deleted %s/%s; children are garbage-collected", body.metadata.namespace, body.metadata.name)
+
+    @kopf.timer(*resource, registry=registry, interval=ours.resync_seconds, idle=None)
+    def _resync(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
+        resync(body, memo, patch)

@@ -1,0 +1,150 @@
+"""The only module that talks to the Kubernetes API (besides Kopf itself): create-or-patch of children,
+drift detection on the fields the operator sets, discovery of optional CRDs, pod listing.
+
+Requests go through the ``kubernetes`` client's configured ApiClient (in-cluster or kubeconfig auth),
+with plain JSON bodies and JSON merge patches so any API server (and the test emulator) accepts them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+import kubernetes
+from kubernetes.utils import parse_quantity
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+#: kind -> (plural, namespaced)
+_PLURALS = {
+    "ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Pod": "pods",
+    "Deployment": "deployments", "Role": "roles", "RoleBinding": "rolebindings",
+    "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors",
+    "PrometheusRule": "prometheusrules", "ConfKVDeployment": "confkvdeployments",
+}
+MERGE_PATCH = "application/merge-patch+json"
+_TIMEOUT = (5.0, 30.0)
+
+
+class KubeError(RuntimeError):
+    """A non-2xx answer; ``status`` is the HTTP code (0 when the server could not be reached)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    path = f"{base}/namespaces/{quote(namespace)}/{_PLURALS[kind]}"
+    return f"{path}/{quote(name)}" if name else path
+
+
+def _same_scalar(want: Any, have: Any) -> bool:
+    if want == have:
+        return True
+    # The API server normalises quantities ("1" for 1, "1Gi" stays): compare their values.
+    if isinstance(want, (int, str)) and isinstance(have, (int, str)) and not isinstance(want, bool):
+        try:
+            return parse_quantity(want) == parse_quantity(have)
+        except (ValueError, TypeError, ArithmeticError):
+            return False
+    return False
+
+
+def drifted(desired: Any, live: Any) -> list[str]:
+    """Paths where ``live`` differs from ``desired``, looking only at what ``desired`` sets: fields the
+    server adds (defaults, status, metadata) are not drift. Lists must match element by element."""
+    if isinstance(desired, Mapping):
+        if not isinstance(live, Mapping):
+            return ["."]
+        return [f".{key}{sub if sub != '.' else ''}" for key, value in desired.items()
+                for sub in drifted(value, live.get(key))]
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return ["."]
+        pairs = enumerate(zip(desired, live, strict=True))
+        return [f"[{i}]{sub if sub != '.' else ''}"
+                for i, (want, have) in pairs for sub in drifted(want, have)]
+    return [] if _same_scalar(desired, live) else ["."]
+
+
+class Kube:
+    """Thin synchronous API access; one instance per operator process (thread-safe: urllib3 pool)."""
+
+    def __init__(self, api: kubernetes.client.ApiClient) -> None:
+        self.api = api
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster service account, else the kubeconfig ($KUBECONFIG or ~/.kube/config); the
+        process-wide default configuration is left alone."""
+        configuration = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+        except kubernetes.config.ConfigException:
+            return cls(kubernetes.config.new_client_from_config())
+        return cls(kubernetes.client.ApiClient(configuration))
+
+    def request(self, method: str, path: str, body: Any = None, *, query: Mapping[str, str] | None = None,
+                content_type: str = "application/json") -> Obj | None:
+        """One call; GET of a missing object returns None, every other non-2xx raises KubeError."""
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        method, url, headers, body, _ = self.api.param_serialize(
+            method, path, query_params=list((query or {}).items()), header_params=headers, body=body,
+            auth_settings=["BearerToken"])
+        try:
+            response = self.api.call_api(method, url, headers, body, _request_timeout=_TIMEOUT)
+            response.read()
+        except kubernetes.client.exceptions.ApiException as err:
+            raise KubeError(err.status or 0, str(err.reason)) from None
+        except Exception as err:  # urllib3 connection errors: the caller retries later
+            raise KubeError(0, f"{type(err).__name__}: {err}") from None
+        if method == "GET" and response.status == 404:
+            return None
+        if not 200 <= response.status < 300:
+            raise KubeError(response.status, response.data.decode(errors="replace")[:500])
+        return json.loads(response.data) if response.data else {}
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
+        return self.request("GET", object_path(api_version, kind, namespace, name))
+
+    def ensure(self, desired: Obj) -> str:
+        """Create the object, or patch the fields that drifted. Returns created / patched / unchanged."""
+        meta = desired["metadata"]
+        path = object_path(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+        live = self.request("GET", path)
+        if live is None:
+            try:
+                self.request("POST", object_path(desired["apiVersion"], desired["kind"], meta["namespace"]),
+                             desired)
+                return "created"
+            except KubeError as err:
+                if err.status != 409:  # 409: created concurrently (timer vs. handler); patch instead
+                    raise
+                live = self.request("GET", path) or {}
+        paths = drifted(desired, live)
+        if not paths:
+            return "unchanged"
+        log.info("restoring %s/%s: drifted at %s", desired["kind"], meta["name"], ", ".join(paths[:5]))
+        self.request("PATCH", path, desired, content_type=MERGE_PATCH)
+        return "patched"
+
+    def served_kinds(self, group_version: str) -> frozenset[str]:
+        """Kinds served under ``/apis/<group_version>`` (empty when the group is not installed)."""
+        try:
+            doc = self.request("GET", f"/apis/{group_version}")
+        except KubeError as err:
+            if err.status in (403, 404, 503):
+                return frozenset()
+            raise
+        return frozenset(r["kind"] for r in (doc or {}).get("resources", []) if "/" not in r["name"])
+
+    def list_pods(self, namespace: str, selector: str) -> list[Obj]:
+        doc = self.request("GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
+                           query={"labelSelector": selector})
+        return list((doc or {}).get("items", []))

@@ -1,0 +1,68 @@
+"""Pure builder of the PrometheusRule for one ConfKVDeployment, from its ``alerts`` section.
+
+The expressions mirror the agent's own rules (same thresholds and ``for``), so Alertmanager and the
+agent agree on what is firing. Series are selected by the ``service`` label the ServiceMonitor adds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from confkv_api import metrics as m
+from confkv_api.config import AlertRule, AlertsSection
+
+_SUMMARY = {
+    "vram": "GPU memory above {threshold:.0%}",
+    "latencyMs": "average request latency above {threshold:g} ms",
+    "hitRate": "prefix cache hit rate below {threshold:.0%}",
+    "oomPerHour": "more than {threshold:g} out-of-memory errors in the last hour",
+}
+_ALERT_NAMES = {
+    "vram": "ConfKVHighVRAM", "latencyMs": "ConfKVHighLatency",
+    "hitRate": "ConfKVLowCacheHitRate", "oomPerHour": "ConfKVFrequentOOM",
+}
+
+
+def alert_expr(key: str, rule: AlertRule, service: str) -> str:
+    """PromQL for one of the four rules, scoped to one deployment's Service."""
+    sel = f'{{service="{service}"}}'
+    if key == "vram":
+        return (f"max({m.DEVICE_MEMORY_USED_BYTES}{sel} / {m.DEVICE_MEMORY_TOTAL_BYTES}{sel}) "
+                f"> {rule.threshold:g}")
+    if key == "latencyMs":
+        base = m.REQUEST_LATENCY_SECONDS
+        return (f"1000 * sum(rate({base}_sum{sel}[5m])) / sum(rate({base}_count{sel}[5m])) "
+                f"> {rule.threshold:g}")
+    if key == "hitRate":
+        hits, queried = m.PREFIX_CACHE_HIT_TOKENS, m.PREFIX_CACHE_QUERIED_TOKENS
+        return (f"sum(rate({hits}_total{sel}[5m])) / sum(rate({queried}_total{sel}[5m])) "
+                f"< {rule.threshold:g}")
+    if key == "oomPerHour":
+        return f"sum(increase({m.OOM_ERRORS}_total{sel}[1h])) > {rule.threshold:g}"
+    raise ValueError(f"unknown alert {key!r}")
+
+
+def build_alert_rules(name: str, alerts: AlertsSection) -> list[dict[str, Any]]:
+    rules = []
+    for field, info in AlertsSection.model_fields.items():
+        key = info.alias or field
+        rule: AlertRule = getattr(alerts, field)
+        if not rule.enabled:
+            continue
+        rules.append({
+            "alert": _ALERT_NAMES[key],
+            "expr": alert_expr(key, rule, name),
+            "for": rule.for_,
+            "labels": {"severity": "warning", "confkv_deployment": name},
+            "annotations": {"summary": f"{name}: " + _SUMMARY[key].format(threshold=rule.threshold)},
+        })
+    return rules
+
+
+def build_prometheus_rule(name: str, alerts: AlertsSection) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": name},
+        "spec": {"groups": [{"name": f"confkv-{name}", "rules": build_alert_rules(name, alerts)}]},
+    }

@@ -1,0 +1,84 @@
+"""Every permission the operator's requests use, from the emulator's request log, against the RBAC data
+(``confkv_operator.rbac``) and the chart's copy of it: exactly, no more, no less.
+
+The scenario walks every code path that talks to the API: start-up (Kopf's CRD and CR watches), create
+with the monitoring CRDs installed, status updates, a policy update, an invalid spec (Kopf posts an Event),
+pod listing for the last remediation, drift restoration and deletion (finalizer removal).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from confkv_operator.rbac import AGENT_RULES, OPERATOR_API_RULES, OPERATOR_RULES, expand
+from tests.k8s_emulator import KubeEmulator
+from tests.operator.operator_harness import API_VERSION, ROOT, OperatorThread, cr, install_crds
+
+CHART_RULES = ROOT / "helm" / "confkv-operator" / "files" / "rbac" / "operator-rules.yaml"
+NS = "default"
+CHILDREN = [("v1", "configmaps", "audit-config"), ("v1", "serviceaccounts", "audit-agent"),
+            ("rbac.authorization.k8s.io/v1", "roles", "audit-agent"),
+            ("rbac.authorization.k8s.io/v1", "rolebindings", "audit-agent"),
+            ("apps/v1", "deployments", "audit"),
+            ("v1", "services", "audit"), ("policy/v1", "poddisruptionbudgets", "audit"),
+            ("monitoring.coreos.com/v1", "servicemonitors", "audit"),
+            ("monitoring.coreos.com/v1", "prometheusrules", "audit")]
+
+
+def _scenario(api: KubeEmulator) -> None:
+    wait = KubeEmulator.wait_for
+    api.create(cr("audit", {"resources": {"gpusPerPod": 1}}))
+    wait(lambda: api.get("monitoring.coreos.com/v1", "prometheusrules", "audit", NS), 20, message="rule")
+    api.patch_deployment_status("audit", NS, ready=True)
+    wait(lambda: (api.get(API_VERSION, "ckv", "audit", NS).get("status") or {}).get("phase") == "Running",
+         20, message="Running")
+    api.patch(API_VERSION, "ckv", "audit", {"spec": {"confkv": {"eviction": {"k": 5}}}}, NS)
+    wait(lambda: '"k": 5' in api.get("v1", "configmaps", "audit-config", NS)["data"]["confkv.json"], 20,
+         message="policy update")
+    api.delete("v1", "services", "audit", NS)
+    wait(lambda: api.get("v1", "services", "audit", NS), 20, message="service restored")
+    label = "app.kubernetes.io/managed-by"
+    for version, plural, name in CHILDREN:  # drift every child: each is patched back
+        api.patch(version, plural, name, {"metadata": {"labels": {label: "someone-else"}}}, NS)
+    for version, plural, name in CHILDREN:
+        wait(lambda v=version, p=plural, n=name: api.get(v, p, n, NS)["metadata"]["labels"][label]
+             == "confkv-operator", 20, message=f"{plural} restored")
+    api.create(cr("broken", {"confkv": {"eviction": {"k": 0}}}))
+    wait(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list("v1", "events", NS)), 20,
+         message="an Event about the invalid spec")
+    for name in ("audit", "broken"):
+        api.delete(API_VERSION, "ckv", name, NS)
+        wait(lambda name=name: api.get(API_VERSION, "ckv", name, NS) is None, 20, message=f"{name} deleted")
+
+
+@pytest.mark.timeout(120)
+def test_request_log_matches_the_rbac_rules_exactly() -> None:
+    with KubeEmulator() as api:
+        api.activate()
+        try:
+            install_crds(api, monitoring=True)
+            with OperatorThread(api, resync_seconds=0.5):
+                _scenario(api)
+            used = set(api.rbac_usage())
+        finally:
+            api.deactivate()
+    declared = expand(OPERATOR_API_RULES)
+    assert sorted(used - declared) == [], "requests the ClusterRole would forbid"
+    assert sorted(declared - used) == [], "permissions granted but never used"
+
+
+def test_chart_cluster_role_is_the_rbac_data() -> None:
+    if not CHART_RULES.exists():
+        pytest.skip("the chart's generated rules file is not there yet")
+    chart = yaml.safe_load(CHART_RULES.read_text())
+    assert expand(chart) == expand(OPERATOR_RULES) == expand(OPERATOR_API_RULES) | expand(AGENT_RULES)
+
+
+def test_rbac_module_is_plain_data() -> None:
+    # The chart renders the rules from this data: only apiGroups/resources/verbs keys, sorted verbs.
+    for rule in OPERATOR_RULES:
+        assert set(rule) == {"apiGroups", "resources", "verbs"} and rule["verbs"] == sorted(rule["verbs"])
+    assert Path(__file__).exists()
