@@ -34,7 +34,7 @@ setup: $(STAMP)
 tools: $(TOOLS_STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/confkv serve --model $(MODEL) --host $(HOST) --port $(PORT)
+	$(VENV)/bin/confkv serve --model $(MODEL) --host $(HOST) --port $(PORT) --with-agent
 
 # pytest exit code 5 (no tests collected) fails the target on purpose.
 test: $(STAMP) $(TOOLS_STAMP)

@@ -30,3 +30,8 @@ DEVICE_MEMORY_TOTAL_BYTES = "confkv_device_memory_total_bytes"  # gauge, label: 
 # Agent.
 AGENT_ALERT_STATE = "confkv_agent_alert_state"  # gauge, labels: alert, state (0/1)
 AGENT_REMEDIATIONS = "confkv_agent_remediations"  # counter, labels: alert, action, result
+AGENT_ALERT_VALUE = "confkv_agent_alert_value"  # gauge, label: alert (absent: no data)
+AGENT_VRAM_USED_RATIO = "confkv_agent_vram_used_ratio"  # gauge, labels: source=nvml|engine, device
+AGENT_ENGINE_UP = "confkv_agent_engine_up"  # gauge, 1 when the engine's control socket answers
+AGENT_POLICY_VERSION = "confkv_agent_policy_version"  # gauge, the engine's live policy version
+AGENT_CONFIG_RELOADS = "confkv_agent_config_reloads"  # counter, label: result=applied|invalid

@@ -1,0 +1,106 @@
+"""``confkv-agent``: the sidecar's entry point.
+
+    confkv-agent --config /etc/confkv/confkv.json      # as the operator's pod template runs it
+
+Reads the mounted config (a file, or the directory holding ``confkv.json``), serves ``/metrics`` and
+``/health`` on ``CONFKV_AGENT_PORT`` (9100), connects to the engine's control socket
+(``engine.grpcSocket`` of the config unless ``--socket``) and runs the control loop every
+``--interval`` (``CONFKV_AGENT_INTERVAL``, default 10s) until SIGTERM. Without ``--config`` it uses
+the default rules and takes the policy baseline from the engine itself (``confkv serve --with-agent``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from confkv_api.config import ConfigError, ConfKVConfig, load_config_file, parse_duration
+
+from .apply import EngineClient
+from .loop import Agent
+from .record import AgentMetrics, JsonFormatter, TextFormatter, serve_http
+
+log = logging.getLogger("confkv.agent")
+EXIT_BAD_CONFIG = 2
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = parse_duration(text)
+    if value <= 0:
+        raise ValueError(f"must be positive, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    in_pod = bool(env("POD_NAME"))
+    parser = argparse.ArgumentParser(prog="confkv-agent", description="CONF-KV sidecar agent")
+    add = parser.add_argument
+    add("--config", default=env("CONFKV_CONFIG"), help="confkv.json, or the directory holding it")
+    add("--socket", default=env("CONFKV_GRPC_SOCKET"),
+        help="engine control socket (default: engine.grpcSocket of the config)")
+    add("--interval", default=env("CONFKV_AGENT_INTERVAL", "10s"), help="loop interval, e.g. 10s or 0.5")
+    add("--host", default=env("CONFKV_AGENT_HOST", "0.0.0.0" if in_pod else "127.0.0.1"),
+        help="metrics/health listen address (default: 0.0.0.0 in a pod, else 127.0.0.1)")
+    add("--port", type=int, default=int(env("CONFKV_AGENT_PORT", "9100")), help="metrics/health port")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add("--log-format", default=env("CONFKV_LOG_FORMAT", "json" if in_pod else "text"),
+        choices=["json", "text"])
+    return parser
+
+
+def _configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config_file(args.config) if args.config else ConfKVConfig()
+        interval = _seconds(args.interval)
+    except (ConfigError, ValueError) as err:
+        print(f"confkv-agent: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    _configure_logging(args.log_level, args.log_format)
+    client = EngineClient(args.socket or config.engine.grpc_socket)
+    agent = Agent(config, client, config_path=args.config, metrics=AgentMetrics())
+    try:
+        http = serve_http(args.host, args.port, agent.metrics, lambda: agent.health(time.time(), interval))
+    except OSError as err:
+        print(f"confkv-agent: cannot listen on {args.host}:{args.port}: {err}", file=sys.stderr)
+        return 1
+    log.info("confkv-agent: engine %s, metrics http://%s:%d/metrics, every %gs", client.target, args.host,
+             http.server_address[1], interval)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop.is_set():
+        try:
+            agent.tick(time.time())
+        except Exception:  # a bug in one tick must not take the sidecar down; it is logged in full
+            log.exception("agent tick failed")
+        stop.wait(interval)
+    http.shutdown()
+    client.close()
+    log.info("confkv-agent stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

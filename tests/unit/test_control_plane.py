@@ -1,0 +1,240 @@
+"""The engine's gRPC control plane over a real Unix socket, with a stand-in engine object (the
+scheduler attribute the control plane changes and a stats snapshot), driven by the agent's client;
+then the agent's loop ticking against it with injected time. No model is loaded here: the real engine
+and agent processes are covered by tests/integration/test_control_grpc.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from confkv_agent.apply import EngineClient, EngineError
+from confkv_agent.loop import Agent
+from confkv_agent.record import LAST_REMEDIATION_ANNOTATION, KubeRecorder
+from confkv_api.config import load_config
+from confkv_engine.control import ControlPlane, ControlPlaneError, socket_path
+from confkv_engine.engine import EngineStats
+from confkv_engine.policy import PolicyInvalid, PolicyNotLive, PolicyStore
+
+
+class FakeEngine:
+    """The attributes of LLMEngine the control plane touches, with counters a test can move."""
+
+    def __init__(self) -> None:
+        self.scheduler = SimpleNamespace(max_batch_size=8)
+        self._lock = threading.RLock()
+        self.oom = 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=1, num_waiting=2, num_total_blocks=100, num_free_blocks=60,
+                           block_size=16,
+                           kv_bytes_used=4000, kv_bytes_total=10000, kv_bytes_full=4000, kv_bytes_key_only=0,
+                           num_preemptions=3, num_oom=self.oom, prompt_tokens_total=50,
+                           generated_tokens_total=70, num_requests_finished=4)
+
+
+class FakeLatency:
+    """A registry-like source of the latency histogram's sum and count."""
+
+    def __init__(self) -> None:
+        self.count, self.total = 0, 0.0
+
+    def get_sample_value(self, name: str) -> float:
+        return self.count if name.endswith("_count") else self.total
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[tuple[ControlPlane, FakeEngine, FakeLatency, str]]:
+    sock = str(tmp_path / "engine.sock")
+    cp = ControlPlane(load_config({"engine": {"grpcSocket": sock, "maxBatchSize": 8}}))
+    assert cp.start()
+    engine, latency = FakeEngine(), FakeLatency()
+    cp.attach(engine, engine.stats, latency, "cpu", "tiny")
+    try:
+        yield cp, engine, latency, sock
+    finally:
+        cp.stop()
+
+
+def test_status_reports_the_engine(plane: Any) -> None:
+    cp, engine, latency, sock = plane
+    latency.count, latency.total = 4, 2.0
+    client = EngineClient(sock)
+    s = client.status()
+    assert (s.model, s.num_running, s.num_waiting) == ("tiny", 1, 2)
+    assert (s.kv_blocks_total, s.kv_blocks_free) == (100, 60)
+    assert (s.kv_bytes_used, s.kv_bytes_total, s.preemptions_total, s.oom_total) == (4000, 10000, 3, 0)
+    assert (s.latency_count, s.latency_seconds_sum, s.avg_latency_seconds) == (4, 2.0, 0.5)
+    assert s.policy_version == 1 and json.loads(s.policy_json)["engine"]["maxBatchSize"] == 8
+    assert s.device_memory.device == "cpu" and s.device_memory.total_bytes > 0
+    assert not s.prefix_cache_enabled
+    client.close()
+
+
+def test_update_policy_is_validated_versioned_and_live(plane: Any) -> None:
+    cp, engine, _, sock = plane
+    client = EngineClient(sock)
+    resp = client.update_policy({"confidenceThresholds": {"high": 0.95}}, max_batch_size=4, reason="test")
+    assert resp.version == 2 and engine.scheduler.max_batch_size == 4
+    assert list(resp.changed_fields) == ["confkv.confidenceThresholds.high", "engine.maxBatchSize"]
+    assert list(resp.live_fields) == ["engine.maxBatchSize"]
+    assert list(resp.deferred_fields) == ["confkv.confidenceThresholds.high"]
+    before = client.status().policy_json
+    for bad in ({"confidenceThresholds": {"high": 0.5}}, {"nope": 1}, {"eviction": {"k": 0}}):
+        with pytest.raises(EngineError) as err:
+            client.update_policy(bad, max_batch_size=2)
+        assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(EngineError) as err:
+        client.update_policy(None, max_batch_size=0)
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and "maxBatchSize" in str(err.value)
+    with pytest.raises(EngineError) as err:
+        client.update_policy({"eviction": {"k": 3}}, max_batch_size=2, require_live=True)
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and "confkv.eviction.k" in str(err.value)
+    with pytest.raises(EngineError) as err:
+        client.update_policy(None, max_batch_size=2, expected_version=1)
+    assert err.value.code is grpc.StatusCode.ABORTED
+    after = client.status()
+    assert after.policy_json == before and after.policy_version == 2 and engine.scheduler.max_batch_size == 4
+    client.close()
+
+
+def test_missing_capabilities_are_failed_precondition(plane: Any) -> None:
+    _, _, _, sock = plane
+    client = EngineClient(sock)
+    for call, word in ((client.compress, "compression"), (client.warmup, "prefix cache")):
+        with pytest.raises(EngineError) as err:
+            call()
+        assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and word in str(err.value)
+    client.close()
+
+
+def test_socket_paths_are_unix_only_and_single_owner(plane: Any, tmp_path: Path) -> None:
+    _, _, _, sock = plane
+    assert socket_path(f"unix://{sock}") == sock
+    for bad in ("127.0.0.1:50051", "relative.sock", "/" + "x" * 200):
+        with pytest.raises(ControlPlaneError):
+            socket_path(bad)
+    # A second engine on a live socket does not steal it.
+    assert not ControlPlane(load_config({"engine": {"grpcSocket": sock}})).start()
+    assert EngineClient(sock).status().model == "tiny"
+
+
+def test_policy_store_rejects_and_keeps_state() -> None:
+    applied = []
+    store = PolicyStore(load_config({}).confkv, 64, ["engine.maxBatchSize"],
+                        lambda s, live: applied.append(live))
+    with pytest.raises(PolicyInvalid):
+        store.update({"budget": 0.5, "budgetTokens": 64})
+    assert store.current.version == 1 and applied == []
+    store.update({"budget": 0.5}, replace=True)
+    assert store.current.confkv.budget == 0.5 and applied == []  # nothing live changed
+    store.update({"budget": None})  # merge-patch null: back to the default
+    assert store.current.confkv.budget is None and store.current.version == 3
+
+
+def test_agent_applies_smaller_batches_and_reverts_after_health(plane: Any, tmp_path: Path) -> None:
+    cp, engine, latency, sock = plane
+    cfg_path = tmp_path / "confkv.json"
+    doc = {"engine": {"grpcSocket": sock}, "alerts": {"latencyMs": {"threshold": 100, "for": "0s"}},
+           "remediation": {"cooldown": "30s", "allowedActions": ["smallerBatches", "compress"]}}
+    cfg_path.write_text(json.dumps(doc))
+    agent = Agent(load_config(doc), EngineClient(sock), config_path=str(cfg_path), kube=KubeRecorder({}))
+    agent.tick(0)
+    latency.count, latency.total = 2, 1.0  # 500 ms average
+    agent.tick(1)
+    assert agent.evaluator.states()["latencyMs"] == "firing"
+    assert engine.scheduler.max_batch_size == 6  # 8 - 8 // 4
+    labels = {"alert": "latencyMs", "action": "smallerBatches", "result": "applied"}
+    assert agent.metrics.registry.get_sample_value("confkv_agent_remediations_total", labels) == 1
+    latency.count, latency.total = 4, 1.1  # the next two took 50 ms each
+    agent.tick(62)  # the window (60 s) now only holds the fast ones
+    assert agent.evaluator.states()["latencyMs"] == "inactive"
+    agent.tick(91)
+    assert engine.scheduler.max_batch_size == 6  # healthy for 29 s only
+    agent.tick(92)
+    assert engine.scheduler.max_batch_size == 8  # reverted after 30 s of health
+    # A config edit reaches the engine through the agent (policy reconciliation).
+    cfg_path.write_text(json.dumps({**doc, "confkv": {"eviction": {"k": 3}}}))
+    agent.tick(93)
+    status = EngineClient(sock).status()
+    assert json.loads(status.policy_json)["confkv"]["eviction"]["k"] == 3
+    assert agent.metrics.registry.get_sample_value("confkv_agent_policy_version") == status.policy_version
+
+
+def test_the_agent_writes_the_annotation_the_operator_reads() -> None:
+    from confkv_operator.names import LAST_REMEDIATION_ANNOTATION as OPERATOR_READS
+
+    assert LAST_REMEDIATION_ANNOTATION == OPERATOR_READS
+
+
+def test_retention_settings_are_live_when_the_engine_has_a_retention_manager(tmp_path: Path) -> None:
+    import torch
+
+    from confkv_engine.kv_cache import CacheSpec, KVCache
+    from confkv_engine.retention.manager import RetentionManager, config_from_section
+
+    config = load_config({"engine": {"grpcSocket": str(tmp_path / "r.sock"), "prefillChunk": 64},
+                          "confkv": {"kvPolicy": "conf-kv", "window": 64}})
+    engine = FakeEngine()
+    engine.scheduler.prefill_chunk = 64
+    cache = KVCache(CacheSpec(1, 1, 8, 16, torch.float32, torch.device("cpu")), 8)
+    engine.retention = RetentionManager(cache, 1, config_from_section(config.confkv), 64)
+    cp = ControlPlane(config)
+    cp.attach(engine, engine.stats, None, "cpu", "tiny")
+    assert cp.store is not None
+    change = cp.store.update({"confidenceThresholds": {"high": 0.95, "medium": 0.8}}, max_batch_size=4,
+                             require_live=True)
+    assert change.deferred == [] and engine.retention.defaults.tiers.high == 0.95
+    assert engine.scheduler.max_batch_size == 4
+    # A window smaller than a prefill chunk is refused before anything changes.
+    with pytest.raises(PolicyInvalid, match="prefill chunk"):
+        cp.store.update({"window": 32}, max_batch_size=2)
+    assert engine.scheduler.max_batch_size == 4 and engine.retention.defaults.tiers.window == 64
+    with pytest.raises(PolicyNotLive):
+        cp.store.update({"eviction": {"k": 3}}, require_live=True)
+
+
+def test_bad_config_edits_keep_the_previous_config_and_are_reported_once(plane: Any, tmp_path: Path) -> None:
+    _, engine, _, sock = plane
+    cfg_path = tmp_path / "confkv.json"
+    doc = {"engine": {"grpcSocket": sock}, "alerts": {"latencyMs": {"threshold": 100, "for": "0s"}}}
+    cfg_path.write_text(json.dumps(doc))
+    agent = Agent(load_config(doc), EngineClient(sock), config_path=str(cfg_path), kube=KubeRecorder({}))
+    reloads = agent.metrics.registry.get_sample_value
+    for text in ('{"alerts": {"latencyMs": {"threshold": "fast"}}}', "{broken", None):
+        if text is None:
+            cfg_path.unlink()
+        else:
+            cfg_path.write_text(text)
+        agent.tick(1)
+        agent.tick(2)  # the same problem again: not counted twice
+    assert reloads("confkv_agent_config_reloads_total", {"result": "invalid"}) == 3
+    assert agent.config.alerts.latency_ms.threshold == 100
+    cfg_path.write_text(json.dumps({**doc, "alerts": {"latencyMs": {"threshold": 250, "for": "0s"}}}))
+    agent.tick(3)
+    assert agent.evaluator.rules["latencyMs"].spec.threshold == 250
+    assert reloads("confkv_agent_config_reloads_total", {"result": "applied"}) == 1
+
+
+def test_without_a_config_file_the_engine_start_up_policy_is_the_baseline(plane: Any) -> None:
+    cp, engine, latency, sock = plane
+    client = EngineClient(sock)
+    client.update_policy({"eviction": {"k": 5}})  # someone changed it by hand: not the agent's business
+    doc = {"alerts": {"latencyMs": {"threshold": 100, "for": "0s"}}, "remediation": {"cooldown": "10s"}}
+    agent = Agent(load_config(doc), client, config_path=None, kube=KubeRecorder({}))
+    agent.tick(0)
+    assert json.loads(client.status().policy_json)["confkv"]["eviction"]["k"] == 5  # no file: nothing pushed
+    latency.count, latency.total = 1, 1.0
+    agent.tick(1)
+    assert engine.scheduler.max_batch_size == 6
+    latency.count, latency.total = 2, 1.01
+    agent.tick(70)  # healthy from here
+    agent.tick(80)
+    assert engine.scheduler.max_batch_size == 8  # back to what the engine started with
