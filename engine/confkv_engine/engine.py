@@ -1,0 +1,319 @@
+"""Synchronous engine: requests in, one batched model step per ``step()``, outputs out.
+
+``LLMEngine(loaded, config)``: ``loaded`` is a ``loader.LoadedModel`` (model, tokenizer,
+max_model_len, eos_token_ids, ...) or anything with those attributes; ``config`` a
+``ConfKVConfig`` (engine and confkv sections are read). Not thread-safe by itself beyond a lock
+around public calls: the HTTP layer drives it from one thread (``async_engine.AsyncEngine``).
+
+Per step: the scheduler picks sequences and chunk sizes; the step's tokens are flattened (decode
+rows first) and run once through the model with ``PagedAttention``; logits are computed only for
+rows that sample a token or need prompt logprobs; the sampling layer picks tokens; trackers turn
+them into text and finish reasons; the retention policy runs; outputs for sequences that
+progressed are returned.
+
+CUDA out-of-memory during a step is caught and counted; the step's sequences lose their cache
+and are requeued for recompute, and a sequence hit ``MAX_OOM_RETRIES`` times finishes with
+finish_reason 'error'.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from confkv_api.config import ConfKVConfig, parse_size
+
+from . import sampling
+from .kv_cache import CacheSpec, FullCache, KVCache, RetentionPolicy, resolve_cache_bytes
+from .outputs import KVUsage, RequestOutput
+from .paged_attention import PagedAttention
+from .sampling_params import InvalidRequest, SamplingParams
+from .scheduler import Scheduler
+from .sequence import SeqStatus, Sequence
+
+MAX_OOM_RETRIES = 3
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at ``maxWaiting`` (the HTTP layer answers 429)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    block_size: int
+    kv_bytes_used: int
+    kv_bytes_total: int
+    kv_bytes_full: int
+    kv_bytes_key_only: int
+    num_preemptions: int
+    num_oom: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    num_requests_finished: int
+
+
+class _NullTokenizer:
+    """For models loaded without a tokenizer (tests): tokens have no text."""
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+class LLMEngine:
+    def __init__(self, loaded: Any, config: ConfKVConfig | None = None,
+                 policy: RetentionPolicy | None = None) -> None:
+        config = config or ConfKVConfig()
+        eng = config.engine
+        self.model = loaded.model
+        self.tokenizer = getattr(loaded, "tokenizer", None) or _NullTokenizer()
+        args = self.model.args
+        self.vocab_size = args.vocab_size
+        self.max_model_len = int(getattr(loaded, "max_model_len", 0) or args.max_position_embeddings)
+        if config.model.max_model_len:
+            self.max_model_len = min(self.max_model_len, config.model.max_model_len)
+        self.eos_token_ids = tuple(getattr(loaded, "eos_token_ids", ()) or ())
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size,
+                         self.dtype, self.device)
+        size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
+        self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device))
+        self.backend = PagedAttention(self.cache, args.num_heads)
+        self.scheduler = Scheduler(self.cache, eng.max_batch_size, eng.max_num_batched_tokens,
+                                   eng.prefill_chunk)
+        self.policy: RetentionPolicy = policy or FullCache()
+        self.max_waiting = eng.max_waiting
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self.num_oom = 0
+        self.prompt_tokens_total = 0
+        self.generated_tokens_total = 0
+        self.num_finished = 0
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._validate(request_id, prompt_token_ids, params)
+        seq = Sequence(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+            tracker=sampling.OutputTracker(self.tokenizer, params, self.eos_token_ids, prompt_token_ids),
+            generator=sampling.make_generator(params.seed, self.device), arrival_time=time.time())
+        with self._lock:
+            if len(self.scheduler.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting")
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self._seqs:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        if len(prompt) > self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
+                f"{self.max_model_len}", param="prompt", code="context_length_exceeded")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequest(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"({len(prompt)}) plus max_tokens ({params.max_tokens}) needs {total}",
+                param="max_tokens", code="context_length_exceeded")
+        if self.cache.blocks_for_tokens(total) > self.cache.num_blocks:
+            raise InvalidRequest(
+                f"the KV cache holds {self.cache.num_blocks // 2 * self.cache.spec.block_size} tokens; "
+                f"prompt plus max_tokens ({total}) can never fit (raise maxCacheSize)",
+                param="max_tokens", code="kv_cache_too_small")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its final output comes with the next step."""
+        with self._lock:
+            seq = self._seqs.get(request_id)
+            if seq is None or seq.finished:
+                return
+            self._finish(seq, "abort")
+            self._pending.append(self._output(seq))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self._lock, torch.inference_mode():
+            outputs, self._pending = self._pending, []
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return outputs
+            try:
+                results = self._run(sched.scheduled)
+            except torch.OutOfMemoryError:
+                return outputs + self._recover_from_oom(sched.scheduled)
+            for seq, n in sched.scheduled:
+                self._advance(seq, n, results.get(seq))
+                if seq.finished or seq.reported_tokens < len(seq.output_token_ids):
+                    outputs.append(self._output(seq))
+            return outputs
+
+    def _run(self, scheduled: list[tuple[Sequence, int]]) -> dict[Sequence, Any]:
+        """One forward pass; returns per sequence (token id, logprob entry) when it sampled."""
+        ids: list[int] = []
+        pos: list[int] = []
+        for seq, n in scheduled:
+            ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
+            pos.extend(range(seq.num_computed, seq.num_computed + n))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        self.backend.begin_step([s.kv for s, _ in scheduled], [n for _, n in scheduled], positions)
+        hidden = self.model(input_ids, positions, self.backend)
+        self.backend.end_step()
+        return self._sample(scheduled, hidden)
+
+    def _sample(self, scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> dict[Sequence, Any]:
+        rows: list[int] = []
+        samplers: list[Sequence] = []
+        offset = 0
+        for seq, n in scheduled:
+            end = seq.num_computed + n
+            if seq.wants_prompt_logprobs and len(seq.prompt_logprobs) < min(end + 1, seq.prompt_len):
+                self._prompt_logprobs(seq, hidden[offset:offset + n])
+            if end == seq.num_tokens and len(seq.output_token_ids) < seq.params.max_tokens:
+                rows.append(offset + n - 1)
+                samplers.append(seq)
+            offset += n
+        if not samplers:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        params = [s.params for s in samplers]
+        masked = sampling.apply_min_tokens_mask(
+            logits.clone(), params, [len(s.output_token_ids) for s in samplers], self.eos_token_ids)
+        chosen = sampling.sample(masked, params, [s.generator for s in samplers])
+        lps = sampling.token_logprobs(logits, chosen, [p.logprobs for p in params])
+        return {s: (t, lp) for s, t, lp in zip(samplers, chosen.tolist(), lps, strict=True)}
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Entries for the prompt tokens this chunk's rows predict (row r scores token start+r+1)."""
+        start, n, plen = seq.num_computed, hidden.shape[0], seq.prompt_len
+        logits = self.model.compute_logits(hidden[: max(0, min(n, plen - 1 - start))])
+        entries = sampling.prompt_logprobs(logits, seq.prompt_token_ids, seq.params.prompt_logprobs or 0,
+                                           first_position=start)
+        first = 0 if start == 0 else start + 1  # prompt index of entries[0]
+        have, upto = len(seq.prompt_logprobs), min(start + n + 1, plen)
+        seq.prompt_logprobs.extend(entries[have - first:upto - first])
+
+    def _advance(self, seq: Sequence, n: int, result: tuple[int, Any] | None) -> None:
+        was_prefill = seq.num_computed < seq.prompt_len
+        seq.num_computed += n
+        seq.peak_kv_bytes = max(seq.peak_kv_bytes, self.cache.seq_bytes(seq.kv))
+        if was_prefill and seq.num_computed >= seq.prompt_len and not seq.prompt_counted:
+            seq.prompt_counted = True
+            self.prompt_tokens_total += seq.prompt_len
+        if seq.num_computed == seq.num_tokens and seq.params.max_tokens == 0:
+            self._finish(seq, "length")
+            return
+        if result is not None:
+            token, lp = result
+            seq.output_token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            self.generated_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.time()
+            text = seq.tracker.append(token)
+            seq.pending_text += text.delta
+            if text.finish_reason is not None:
+                self._finish(seq, text.finish_reason)
+                return
+        self.policy.after_step(seq.kv, self.cache, seq.num_computed)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.tracker.finish_reason is None:
+            seq.pending_text += seq.tracker.finish(reason).delta  # type: ignore[arg-type]
+        seq.finish_reason = reason  # type: ignore[assignment]
+        seq.error = error
+        seq.status = SeqStatus.FINISHED
+        seq.finish_time = time.time()
+        seq.final_slots = seq.kv.num_slots
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        self.num_finished += 1
+
+    def _recover_from_oom(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        """Drop the step's caches and recompute later; fail a sequence after repeated OOMs."""
+        self.num_oom += 1
+        outputs = []
+        for seq, _ in reversed(scheduled):  # requeue_front reverses: keep the original order
+            seq.num_oom += 1
+            if seq.num_oom >= MAX_OOM_RETRIES:
+                self._finish(seq, "error", error="out of device memory")
+                outputs.append(self._output(seq))
+            else:
+                self.scheduler.requeue_front(seq)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new_ids = seq.output_token_ids[seq.reported_tokens:]
+        seq.reported_tokens = len(seq.output_token_ids)
+        new_text, seq.pending_text = seq.pending_text, ""
+        prompt_done = seq.num_computed >= seq.prompt_len or seq.finished
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=list(seq.output_token_ids), new_token_ids=new_ids,
+            text=seq.tracker.text[:seq.tracker.emitted], new_text=new_text,
+            logprobs=list(seq.logprobs),
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.wants_prompt_logprobs and prompt_done else None,
+            finished=seq.finished, finish_reason=seq.finish_reason, error=seq.error,
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
+            kv_usage=KVUsage(peak_kv_bytes=seq.peak_kv_bytes,
+                             tokens_full=seq.final_slots if seq.finished else seq.kv.num_slots))
+
+    def set_max_batch_size(self, n: int) -> None:
+        """Live change (remediation): applies from the next step; running sequences over the new
+        limit finish normally, nothing new is admitted until the batch is below it."""
+        if n < 1:
+            raise InvalidRequest(f"max batch size must be >= 1, got {n}", param="maxBatchSize")
+        with self._lock:
+            self.scheduler.max_batch_size = n
+
+    # ---- conveniences ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Submit all prompts, step until they finish; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            used = self.cache.used_bytes
+            return EngineStats(
+                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                num_total_blocks=self.cache.num_blocks, num_free_blocks=self.cache.pool.num_free,
+                block_size=self.cache.spec.block_size, kv_bytes_used=used,
+                kv_bytes_total=self.cache.total_bytes, kv_bytes_full=used, kv_bytes_key_only=0,
+                num_preemptions=self.scheduler.num_preemptions, num_oom=self.num_oom,
+                prompt_tokens_total=self.prompt_tokens_total,
+                generated_tokens_total=self.generated_tokens_total,
+                num_requests_finished=self.num_finished)

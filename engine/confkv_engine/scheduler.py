@@ -1,0 +1,126 @@
+"""Continuous batching: which sequences run this step, with how many new tokens.
+
+Each step, running sequences (oldest admission first) get their next chunk: 1 token when
+decoding, up to ``prefill_chunk`` while prefilling, all within a per-step token budget
+(``max_num_batched_tokens``). When the pool cannot hold a running sequence's next chunk, the most
+recently admitted running sequence is preempted by recompute (blocks freed, requeued at the
+front of the waiting queue, restarted from position 0 later). Waiting sequences are admitted in
+FIFO order while there is room in the batch (``max_batch_size``), the budget and the pool; nothing
+is admitted in a step that preempted.
+
+Prefill chunks end at multiples of ``block_size`` (unless they finish the known tokens), so a
+replay after preemption runs the same chunk boundaries and a retention policy acting at
+block-aligned positions takes the same decisions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import KVCache
+from .sequence import SeqStatus, Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes first
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, max_batch_size: int, max_num_batched_tokens: int,
+                 prefill_chunk: int) -> None:
+        self.cache = cache
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        bs = cache.spec.block_size
+        # Align chunk ends to blocks only when a chunk can hold whole blocks.
+        self.align = bs if prefill_chunk >= bs else 1
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def requeue_front(self, seq: Sequence) -> None:
+        """Free the sequence's cache and put it first in line (recompute from position 0)."""
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks at once."""
+        self._release(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.cache.free(seq.kv)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def chunk_size(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_uncomputed
+        n = min(remaining, self.prefill_chunk, budget)
+        if 0 < n < remaining and self.align > 1:
+            end = seq.num_computed + n
+            n = end - end % self.align - seq.num_computed
+        return max(n, 0)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self.chunk_size(seq, budget)
+            if n and self._make_room(seq, n, out):
+                self.cache.reserve(seq.kv, n)
+                out.scheduled.append((seq, n))
+                budget -= n
+            if seq in self.running:  # still there (not preempted itself)
+                i += 1
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: decode rows first
+        return out
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempt from the tail of ``running`` until ``seq`` can grow by n; False if seq itself went."""
+        pool = self.cache.pool
+        while not pool.can_allocate(self.cache.blocks_needed(seq.kv, n)):
+            victim = self.running[-1]
+            self.requeue_front(victim)
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        pool = self.cache.pool
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = self.chunk_size(seq, budget)
+            if n == 0 or not pool.can_allocate(self.cache.blocks_needed(seq.kv, n)):
+                break
+            self.waiting.popleft()
+            self.cache.reserve(seq.kv, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget

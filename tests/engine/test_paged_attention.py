@@ -1,0 +1,114 @@
+"""Paged attention against the dense masked reference over the same cached positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv_engine.kv_cache import CacheSpec, KVCache, SeqKV
+from confkv_engine.model import dense_causal_attention
+from confkv_engine.paged_attention import PagedAttention
+
+L, HQ, HKV, D, BS = 2, 6, 2, 8, 4
+
+
+def _setup(num_blocks: int = 64) -> tuple[KVCache, PagedAttention]:
+    spec = CacheSpec(L, HKV, D, BS, torch.float32, torch.device("cpu"))
+    cache = KVCache(spec, num_blocks)
+    return cache, PagedAttention(cache, HQ)
+
+
+def _step(cache, backend, seqs, num_new, history, gen):
+    """Run one step on every layer; returns per layer the backend output [T, HQ, D] and the
+    dense reference computed from ``history`` (per seq, per layer: all k/v so far)."""
+    pos = torch.cat([torch.arange(s.num_slots, s.num_slots + n) for s, n in zip(seqs, num_new, strict=True)])
+    for s, n in zip(seqs, num_new, strict=True):
+        cache.reserve(s, n)
+    backend.begin_step(seqs, num_new, pos)
+    results = []
+    for layer in range(L):
+        t = sum(num_new)
+        q = torch.randn(t, HQ, D, generator=gen)
+        k = torch.randn(t, HKV, D, generator=gen)
+        v = torch.randn(t, HKV, D, generator=gen)
+        out = backend.attend(layer, q, k, v)
+        refs, start = [], 0
+        for i, n in enumerate(num_new):
+            hk, hv = history[i][layer]
+            hk.append(k[start:start + n])
+            hv.append(v[start:start + n])
+            refs.append(dense_causal_attention(q[start:start + n], torch.cat(hk), torch.cat(hv)))
+            start += n
+        results.append((out, torch.cat(refs)))
+    backend.end_step()
+    return results
+
+
+@pytest.mark.parametrize("order", ["decode_first", "mixed"])
+def test_mixed_prefill_and_decode_batch_matches_dense(order: str) -> None:
+    cache, backend = _setup()
+    gen = torch.Generator().manual_seed(0)
+    seqs = [SeqKV() for _ in range(4)]
+    history = [[([], []) for _ in range(L)] for _ in seqs]
+    # Prefill in uneven chunks, then a step mixing decodes with a prefill chunk.
+    _step(cache, backend, seqs, [5, 9, 1, 13], history, gen)
+    _step(cache, backend, seqs[:2], [3, 4], history[:2], gen)
+    num_new = [1, 1, 6, 1] if order == "decode_first" else [6, 1, 1, 7]
+    for out, ref in _step(cache, backend, seqs, num_new, history, gen):
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # Pure decode fast path.
+    for out, ref in _step(cache, backend, seqs, [1, 1, 1, 1], history, gen):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert [s.num_slots for s in seqs] == [len(torch.cat(h[0][0])) for h in history]
+
+
+def test_slots_record_absolute_positions() -> None:
+    cache, backend = _setup()
+    seq = SeqKV()
+    gen = torch.Generator().manual_seed(1)
+    _step(cache, backend, [seq], [7], [[([], []) for _ in range(L)]], gen)
+    pos = cache.slot_positions(seq)
+    assert pos.shape == (L, HKV, 7)
+    assert pos.tolist() == [[list(range(7))] * HKV] * L
+
+
+def test_compact_per_head_token_sets_then_attend() -> None:
+    """After per-(layer, head) compaction each head attends to exactly its kept tokens."""
+    cache, backend = _setup(num_blocks=32)
+    gen = torch.Generator().manual_seed(2)
+    seq = SeqKV()
+    hist = [[([], []) for _ in range(L)]]
+    _step(cache, backend, [seq], [12], hist, gen)
+    k_all = [torch.cat(hist[0][layer][0]) for layer in range(L)]
+    v_all = [torch.cat(hist[0][layer][1]) for layer in range(L)]
+    keep = torch.zeros(L, HKV, 12, dtype=torch.bool)
+    keep[0, 0, [0, 1, 5, 11]] = True  # 4 slots
+    keep[0, 1, [0, 2, 3, 4, 9, 10, 11]] = True  # 7 slots
+    keep[1, :, 6:] = True  # 6 slots each
+    before = cache.pool.num_free
+    freed = cache.compact(seq, keep)
+    assert seq.num_slots == 7 and seq.head_slots.tolist() == [[4, 7], [6, 6]]
+    assert freed == 2 * (3 - 2) and cache.pool.num_free == before + freed
+    assert len(seq.k_blocks) == len(seq.v_blocks) == 2
+    pos = cache.slot_positions(seq)
+    assert pos[0, 0, :4].tolist() == [0, 1, 5, 11] and pos[0, 0, 4:].tolist() == [-1] * 3
+    assert pos[1, 1, :6].tolist() == list(range(6, 12))
+    # One decode step with a new token; the reference keeps, per head, the kept tokens + the new one.
+    q = torch.randn(1, HQ, D, generator=gen)
+    kn = torch.randn(1, HKV, D, generator=gen)
+    vn = torch.randn(1, HKV, D, generator=gen)
+    cache.reserve(seq, 1)
+    backend.begin_step([seq], [1], torch.tensor([12]))
+    for layer in range(L):
+        out = backend.attend(layer, q, kn, vn)
+        group = HQ // HKV
+        for h in range(HKV):
+            idx = keep[layer, h].nonzero().squeeze(1)
+            k_ref = torch.cat([k_all[layer][idx, h], kn[:, h]])[:, None]
+            v_ref = torch.cat([v_all[layer][idx, h], vn[:, h]])[:, None]
+            qh = q[:, h * group:(h + 1) * group]
+            ref = dense_causal_attention(qh, k_ref, v_ref)
+            torch.testing.assert_close(out[:, h * group:(h + 1) * group], ref, atol=1e-5, rtol=1e-5)
+    backend.end_step()
+    assert seq.head_slots.tolist() == [[5, 8], [7, 7]]

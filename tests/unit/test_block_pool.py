@@ -1,0 +1,83 @@
+"""Block pool mechanism: exact block ids, free order, reference counts; KV cache accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv_engine.block_pool import BlockPool, NoFreeBlocks
+from confkv_engine.kv_cache import CacheSpec, KVCache, SeqKV, resolve_cache_bytes
+
+
+def test_allocate_takes_head_and_free_appends_to_tail_in_order() -> None:
+    pool = BlockPool(6)
+    a = pool.allocate(2)
+    b = pool.allocate(3)
+    assert (a, b) == ([0, 1], [2, 3, 4])
+    pool.free([3, 1])
+    assert pool.free_block_ids() == [5, 3, 1]
+    assert pool.allocate(2) == [5, 3]
+    assert pool.num_free == 1 and pool.num_used == 5
+
+
+def test_no_free_blocks_allocates_nothing() -> None:
+    pool = BlockPool(3)
+    pool.allocate(2)
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(2)
+    assert pool.num_free == 1
+
+
+def test_shared_block_returns_only_when_last_reference_goes() -> None:
+    pool = BlockPool(2)
+    (blk,) = pool.allocate(1)
+    pool.incref([blk])
+    pool.free([blk])
+    assert pool.ref_count(blk) == 1 and blk not in pool.free_block_ids()
+    pool.free([blk])
+    assert pool.free_block_ids() == [1, 0]
+    with pytest.raises(ValueError):
+        pool.free([blk])
+
+
+def _cache(num_blocks: int = 10) -> KVCache:
+    return KVCache(CacheSpec(2, 2, 4, 4, torch.float32, torch.device("cpu")), num_blocks)
+
+
+def test_k_and_v_tables_come_from_one_pool_and_bytes_are_counted_from_it() -> None:
+    cache = _cache()
+    seq = SeqKV()
+    assert cache.blocks_needed(seq, 5) == 4  # 2 K blocks + 2 V blocks
+    cache.reserve(seq, 5)
+    assert (seq.k_blocks, seq.v_blocks) == ([0, 1], [2, 3])
+    assert cache.seq_bytes(seq) == 4 * cache.spec.block_bytes == cache.used_bytes
+    cache.commit(seq, 5)
+    assert cache.blocks_needed(seq, 3) == 0 and cache.blocks_needed(seq, 4) == 2
+    cache.free(seq)
+    assert cache.pool.num_free == 10 and seq.num_slots == 0 and seq.k_blocks == []
+
+
+def test_uniform_compaction_frees_tail_blocks_in_the_same_call() -> None:
+    cache = _cache()
+    seq = SeqKV()
+    cache.reserve(seq, 12)
+    cache.pos[:, :, :] = -1
+    cache.commit(seq, 12)
+    keep = torch.zeros(2, 2, 12, dtype=torch.bool)
+    keep[..., :4] = True  # sinks
+    keep[..., 10:] = True  # recent window
+    assert cache.compact(seq, keep) == 2  # 3 -> 2 blocks per table
+    assert seq.num_slots == 6 and seq.head_slots is None
+    assert cache.pool.num_free == 10 - 4
+
+
+def test_block_bytes_and_budget_sizing() -> None:
+    spec = CacheSpec(3, 2, 8, 16, torch.bfloat16, torch.device("cpu"))
+    assert spec.block_bytes == 16 * 3 * 2 * (8 * 2 + 4)
+    cache = KVCache.from_budget(spec, 10 * spec.block_bytes + 5)
+    assert cache.num_blocks == 10
+    with pytest.raises(ValueError, match="maxCacheSize"):
+        KVCache.from_budget(spec, spec.block_bytes)
+    assert resolve_cache_bytes(("bytes", 12345.0), torch.device("cpu")) == 12345
+    assert resolve_cache_bytes(None, torch.device("cpu")) == 1 << 30
+    assert 0 < resolve_cache_bytes(("fraction", 0.01), torch.device("cpu"))
