@@ -1,0 +1,164 @@
+"""Prometheus metrics of one engine server, on a registry of its own (tests run several servers).
+
+Per-request metrics (latency, TTFT, token counts, finish reasons) are observed when a request
+finishes. Cache, scheduler and device figures are read at scrape time from the engine's last
+stats snapshot, so scraping never touches the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from confkv_api import metrics as names
+from confkv_engine.async_engine import stat
+from confkv_engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+# ``*_created`` samples double the exposition and no dashboard or rule here reads them.
+disable_created_metrics()
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, float("inf"))
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+
+
+def _suffixless(name: str) -> str:
+    """prometheus-client appends ``_total`` to counters itself."""
+    return name.removesuffix("_total")
+
+
+def device_memory(device: str) -> tuple[str, int, int]:
+    """(label, used bytes, total bytes): the GPU's memory on CUDA, else this process's RSS and the RAM."""
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            index = torch.device(device).index or 0
+            free, total = torch.cuda.mem_get_info(index)
+            return f"cuda:{index}", int(total - free), int(total)
+        except Exception:  # no usable CUDA runtime: fall through to NVML, then to process memory
+            used_total = _nvml_memory()
+            if used_total is not None:
+                return "cuda:0", *used_total
+    return "cpu", int(psutil.Process().memory_info().rss), int(psutil.virtual_memory().total)
+
+
+def _nvml_memory() -> tuple[int, int] | None:
+    try:
+        import pynvml  # nvidia-ml-py, optional
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return int(info.used), int(info.total)
+    except Exception:
+        return None
+
+
+class _SnapshotCollector(Collector):
+    """Gauges and cumulative counters derived from the engine's stats snapshot at scrape time."""
+
+    def __init__(self, stats: Callable[[], Any], device: str) -> None:
+        self._stats = stats
+        self._device = device
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        yield from self._cache(s)
+        yield from self._scheduler(s)
+        yield from self._device_memory()
+
+    def _cache(self, s: Any) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        total_blocks = stat(s, "num_total_blocks")
+        free_blocks = stat(s, "num_free_blocks")
+        ratio = (total_blocks - free_blocks) / total_blocks if total_blocks else 0.0
+        yield GaugeMetricFamily(names.KV_CACHE_USAGE_RATIO, "Used KV blocks / total KV blocks.", value=ratio)
+        total = stat(s, "kv_bytes_total")
+        used = stat(s, "kv_bytes_used")
+        key_only = stat(s, "kv_bytes_key_only")
+        full = stat(s, "kv_bytes_full", used - key_only)
+        tiers = GaugeMetricFamily(names.KV_CACHE_BYTES, "KV cache bytes by tier.", labels=["tier"])
+        for tier, value in (("full", full), ("key_only", key_only), ("free", max(0, total - used)),
+                            ("total", total)):
+            tiers.add_metric([tier], value)
+        yield tiers
+        yield GaugeMetricFamily(names.KV_CACHE_CAPACITY_BYTES, "Bytes of the whole KV pool.", value=total)
+        queried = stat(s, "prefix_queried_tokens")
+        hits = stat(s, "prefix_hit_tokens")
+        yield GaugeMetricFamily(names.PREFIX_CACHE_HIT_RATIO, "Prefix-cache hit tokens / queried tokens.",
+                                value=hits / queried if queried else 0.0)
+        yield CounterMetricFamily(_suffixless(names.PREFIX_CACHE_QUERIED_TOKENS),
+                                  "Prompt tokens looked up in the prefix cache.", value=queried)
+        yield CounterMetricFamily(_suffixless(names.PREFIX_CACHE_HIT_TOKENS),
+                                  "Prompt tokens found in the prefix cache.", value=hits)
+
+    def _scheduler(self, s: Any) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily(names.REQUESTS_RUNNING, "Requests being decoded.",
+                                value=stat(s, "num_running"))
+        yield GaugeMetricFamily(names.REQUESTS_WAITING, "Requests admitted but not running.",
+                                value=stat(s, "num_waiting"))
+        yield CounterMetricFamily(_suffixless(names.PREEMPTIONS), "Sequences preempted (recompute).",
+                                  value=stat(s, "num_preemptions", stat(s, "preemptions")))
+        yield CounterMetricFamily(_suffixless(names.OOM_ERRORS), "Device out-of-memory errors caught.",
+                                  value=stat(s, "num_oom", stat(s, "oom_errors")))
+
+    def _device_memory(self) -> Iterator[GaugeMetricFamily]:
+        label, used, total = device_memory(self._device)
+        used_m = GaugeMetricFamily(names.DEVICE_MEMORY_USED_BYTES,
+                                   "GPU memory in use (cuda) or this process's RSS (cpu).", labels=["device"])
+        used_m.add_metric([label], used)
+        total_m = GaugeMetricFamily(names.DEVICE_MEMORY_TOTAL_BYTES,
+                                    "GPU memory (cuda) or the machine's RAM (cpu).", labels=["device"])
+        total_m.add_metric([label], total)
+        yield used_m
+        yield total_m
+
+
+class EngineMetrics:
+    """All ``confkv_`` engine metrics of one server."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.latency = Histogram(names.REQUEST_LATENCY_SECONDS, "End-to-end request latency.",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first generated token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter(_suffixless(names.PROMPT_TOKENS), "Prompt tokens of finished requests.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter(_suffixless(names.GENERATION_TOKENS), "Generated tokens.",
+                                         registry=self.registry)
+        self.finished = Counter(_suffixless(names.REQUESTS_FINISHED), "Finished requests by reason.",
+                                ["reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(reason=reason)
+
+    def attach_engine(self, stats: Callable[[], Any], device: str) -> None:
+        """Expose the snapshot-derived metrics once the engine exists (the model loads after start-up)."""
+        self.registry.register(_SnapshotCollector(stats, device))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Called from the engine thread for every finished request."""
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.output_token_ids))
+        self.finished.labels(reason=out.finish_reason or "stop").inc()
+        if out.finish_reason in ("abort", "error") or not out.arrival_time:
+            return
+        end = out.finish_time or out.arrival_time
+        self.latency.observe(max(0.0, end - out.arrival_time))
+        if out.first_token_time is not None:
+            self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+
+    def observe_aborted(self, request_id: str) -> None:
+        """A request abandoned by its client (disconnect) and aborted in the engine."""
+        self.finished.labels(reason="abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,138 @@
+"""Pure builders of OpenAI response bodies from engine outputs (no I/O, no framework)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confkv_engine.outputs import RequestOutput, TokenLogprob
+
+TokenText = Callable[[int], str]
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    """OpenAI usage plus the CONF-KV fields: peak pool bytes and tokens per retention tier."""
+    prompt, completion = len(out.prompt_token_ids), len(out.output_token_ids)
+    kv = out.kv_usage
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "peak_kv_bytes": kv.peak_kv_bytes,
+        "kv_tokens_full": kv.tokens_full,
+        "kv_tokens_key_only": kv.tokens_key_only,
+        "kv_tokens_discarded": kv.tokens_discarded,
+    }
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+@dataclass
+class LegacyLogprobs:
+    """Accumulates OpenAI legacy ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset).
+
+    ``text_offset`` counts characters from the start of the returned ``text`` (which includes the
+    prompt when ``echo`` is set).
+    """
+
+    token_text: TokenText
+    offset: int = 0
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None]) -> None:
+        for i, token_id in enumerate(token_ids):
+            entry = entries[i] if i < len(entries) else None
+            text = self.token_text(token_id)
+            self.tokens.append(text)
+            self.text_offset.append(self.offset)
+            self.offset += len(text)
+            if entry is None:
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+                continue
+            self.token_logprobs.append(entry.logprob)
+            top = {self.token_text(t): lp for t, lp in entry.top}
+            top.setdefault(text, entry.logprob)  # OpenAI always lists the chosen token
+            self.top_logprobs.append(top)
+
+    def body(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+    def take(self) -> dict[str, Any]:
+        """The entries added since the last take (for a streaming chunk)."""
+        body = self.body()
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return body
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob], token_text: TokenText,
+                  top_n: int) -> dict[str, Any]:
+    """Chat-format ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        text = token_text(token_id)
+        top = [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
+               for t, lp in entry.top[:top_n]]
+        content.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()),
+                        "top_logprobs": top})
+    return {"content": content}
+
+
+def completion_body(request_id: str, model: str, text: str, out: RequestOutput,
+                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(out)}],
+        "usage": usage(out),
+    }
+
+
+def completion_chunk(request_id: str, model: str, text: str, logprobs: dict[str, Any] | None,
+                     reason: str | None) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}],
+    }
+
+
+def chat_body(request_id: str, model: str, out: RequestOutput,
+              logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                     "logprobs": logprobs, "finish_reason": finish_reason(out)}],
+        "usage": usage(out),
+    }
+
+
+def chat_chunk(request_id: str, model: str, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+               reason: str | None) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
+    }
+
+
+def usage_chunk(request_id: str, model: str, obj: str, out: RequestOutput) -> dict[str, Any]:
+    """The final chunk of ``stream_options.include_usage``: no choices, only usage."""
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
+            "choices": [], "usage": usage(out)}

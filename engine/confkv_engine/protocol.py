@@ -1,0 +1,197 @@
+"""Request models of the OpenAI-compatible HTTP API (pydantic) and the OpenAI error body.
+
+Unknown request fields are rejected with a 400 naming the field, as OpenAI's own API does
+("Unrecognized request argument"), so a typo such as ``top_K`` never silently changes nothing.
+Fields OpenAI defines that this server cannot honour are accepted only at their no-op values
+(``n`` = 1, ``best_of`` = 1, penalties 0, no ``logit_bias``/``suffix``/tools) and are a 400
+otherwise. Engine-specific sampling controls (``top_k``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``kv_policy``, ``kv_budget``) are accepted as extra body fields, the way the
+``openai`` client's ``extra_body`` sends them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from confkv_engine.sampling_params import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields common to both endpoints (OpenAI's plus this engine's sampling extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    seed: int | None = None
+    # Engine extras (``extra_body`` in the openai client).
+    top_k: int = Field(default=0, ge=-1)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] | None = None
+    kv_budget: float | None = Field(default=None, gt=0.0, le=1.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI accepts ``null`` for any optional parameter; here it means the default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _valid_stop(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are supported")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    def check_supported(self) -> None:
+        """Refuse OpenAI parameters this server accepts only at their no-op values."""
+        if self.n != 1:
+            raise InvalidRequest("n > 1 is not supported; send separate requests", param="n",
+                                 code="unsupported_parameter")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias",
+                                 code="unsupported_parameter")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise InvalidRequest(f"{name} is not supported (must be 0)", param=name,
+                                     code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions`` (OpenAI's legacy completions)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of > 1 is not supported", param="best_of",
+                                 code="unsupported_parameter")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request: a string or token ids. Batched prompts are refused."""
+        prompt: Any = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequest("only one prompt per request is supported", param="prompt",
+                                     code="unsupported_parameter")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    """One chat message. Content may be a string or OpenAI's list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest("only text content parts are supported", param="messages",
+                                     code="unsupported_parameter")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} (function calling) is not supported", param=name,
+                                     code="unsupported_parameter")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise InvalidRequest(f"{name} is not supported", param=name, code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("only response_format type 'text' is supported", param="response_format",
+                                 code="unsupported_parameter")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,76 @@
+"""``confkv`` command line: config file plus flag overrides, validated once; exit 2 on bad config."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from confkv_api.config import ConfigError
+from confkv_engine.cli import build_config, build_parser, main
+
+
+def _config(argv: list[str]):
+    return build_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "confkv.json"
+    path.write_text(json.dumps({"engine": {"port": 9000, "maxBatchSize": 8, "maxWaiting": 3},
+                                "confkv": {"maxCacheSize": "1Gi"}}))
+    config = _config(["--config", str(path), "--max-batch-size", "4", "--dtype", "bfloat16",
+                      "--kv-policy", "conf-kv", "--kv-budget", "0.5", "--max-cache-size", "256Mi"])
+    assert config.engine.port == 9000 and config.engine.max_waiting == 3  # from the file
+    assert config.engine.max_batch_size == 4 and config.model.dtype == "bfloat16"  # from flags
+    assert config.confkv.kv_policy == "conf-kv" and config.confkv.budget == 0.5
+    assert config.confkv.max_cache_size == "256Mi"
+
+
+def test_config_directory_and_defaults(tmp_path: Path) -> None:
+    (tmp_path / "confkv.json").write_text(json.dumps({"model": {"servedName": "demo"}}))
+    assert _config(["--config", str(tmp_path)]).model.served_name == "demo"
+    assert _config([]).engine.max_batch_size == 64
+
+
+@pytest.mark.parametrize("argv", [
+    ["--max-batch-size", "0"],
+    ["--kv-budget", "0.5", "--kv-budget-tokens", "64"],
+    ["--max-cache-size", "lots"],
+    ["--prefill-chunk", "4096"],  # above maxNumBatchedTokens
+])
+def test_bad_flags_raise_a_config_error(argv: list[str]) -> None:
+    with pytest.raises(ConfigError):
+        _config(argv)
+
+
+def test_bad_config_exits_2_with_the_key_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"engine": {"maxBatchSise": 4}}))
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "maxBatchSise" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "missing.json")]) == 2
+
+
+def test_model_that_cannot_load_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "nothing.gguf"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "confkv_engine.cli", "serve", "--model", str(missing),
+                          "--port", str(port), "--grpc-socket", str(tmp_path / "c.sock")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    assert str(missing) in out.stderr  # the error names the source it could not load
+
+
+def test_version_and_usage_errors() -> None:
+    out = subprocess.run([sys.executable, "-m", "confkv_engine.cli", "version"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and out.stdout.startswith("confkv ")
+    bad = subprocess.run([sys.executable, "-m", "confkv_engine.cli", "serve", "--dtype", "int3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--dtype" in bad.stderr
