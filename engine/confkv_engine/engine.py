@@ -30,8 +30,10 @@ from confkv_api.config import ConfKVConfig, parse_size
 
 from . import sampling
 from .kv_cache import CacheSpec, FullCache, KVCache, RetentionPolicy, resolve_cache_bytes
-from .outputs import KVUsage, RequestOutput
-from .paged_attention import PagedAttention
+from .outputs import RequestOutput
+from .retention.backend import RetentionAttention
+from .retention.manager import RetentionManager, config_from_section
+from .retention.policies import RetentionConfig
 from .sampling_params import InvalidRequest, SamplingParams
 from .scheduler import Scheduler
 from .sequence import SeqStatus, Sequence
@@ -70,7 +72,7 @@ class _NullTokenizer:
 
 class LLMEngine:
     def __init__(self, loaded: Any, config: ConfKVConfig | None = None,
-                 policy: RetentionPolicy | None = None) -> None:
+                 policy: RetentionPolicy | None = None, retention: RetentionConfig | None = None) -> None:
         config = config or ConfKVConfig()
         eng = config.engine
         self.model = loaded.model
@@ -87,9 +89,14 @@ class LLMEngine:
                          self.dtype, self.device)
         size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
         self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device))
-        self.backend = PagedAttention(self.cache, args.num_heads)
+        # Token-level retention (conf-kv and its peers); ``retention`` overrides the confkv section.
+        self.retention = RetentionManager(self.cache, args.num_heads,
+                                          retention or config_from_section(config.confkv), eng.prefill_chunk)
+        self.backend = RetentionAttention(self.cache, args.num_heads)
         self.scheduler = Scheduler(self.cache, eng.max_batch_size, eng.max_num_batched_tokens,
                                    eng.prefill_chunk)
+        # Chunks of retained sequences never cross a decision point, so replays are exact.
+        self.scheduler.align_for = self.retention.align_for
         self.policy: RetentionPolicy = policy or FullCache()
         self.max_waiting = eng.max_waiting
         self._seqs: dict[str, Sequence] = {}
@@ -125,6 +132,10 @@ class LLMEngine:
             raise InvalidRequest(
                 f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
                 f"{self.max_model_len}", param="prompt", code="context_length_exceeded")
+        try:
+            self.retention.config_for(params.kv_policy, params.kv_budget)
+        except ValueError as err:
+            raise InvalidRequest(str(err), param="kv_policy") from None
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequest(
@@ -176,10 +187,21 @@ class LLMEngine:
             pos.extend(range(seq.num_computed, seq.num_computed + n))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        self.backend.begin_step([s.kv for s, _ in scheduled], [n for _, n in scheduled], positions)
+        states = [self.retention.prepare(s) for s, _ in scheduled]
+        self.backend.begin_step([s.kv for s, _ in scheduled], [n for _, n in scheduled], positions, states)
         hidden = self.model(input_ids, positions, self.backend)
         self.backend.end_step()
+        self._retention_logits(scheduled, hidden)
         return self._sample(scheduled, hidden)
+
+    def _retention_logits(self, scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
+        """Untempered logits of every row for sequences whose retention uses the sampling signal."""
+        self._ret_logits: dict[Sequence, torch.Tensor] = {}
+        offset = 0
+        for seq, n in scheduled:
+            if self.retention.wants_logits(seq.policy_state):
+                self._ret_logits[seq] = self.model.compute_logits(hidden[offset:offset + n])
+            offset += n
 
     def _sample(self, scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> dict[Sequence, Any]:
         rows: list[int] = []
@@ -216,7 +238,7 @@ class LLMEngine:
     def _advance(self, seq: Sequence, n: int, result: tuple[int, Any] | None) -> None:
         was_prefill = seq.num_computed < seq.prompt_len
         seq.num_computed += n
-        seq.peak_kv_bytes = max(seq.peak_kv_bytes, self.cache.seq_bytes(seq.kv))
+        seq.peak_kv_bytes = max(seq.peak_kv_bytes, self.retention.held_bytes(seq.kv, seq.policy_state))
         if was_prefill and seq.num_computed >= seq.prompt_len and not seq.prompt_counted:
             seq.prompt_counted = True
             self.prompt_tokens_total += seq.prompt_len
@@ -236,6 +258,12 @@ class LLMEngine:
             if text.finish_reason is not None:
                 self._finish(seq, text.finish_reason)
                 return
+        logits = self._ret_logits.pop(seq, None)
+        if logits is not None:  # row r predicted position start + 1 + r (the sampled token included)
+            start = seq.num_computed - n
+            self.retention.observe_logits(seq.policy_state, logits, start + 1,
+                                          seq.token_slice(start + 1, seq.num_computed + 1))
+        self.retention.after_step(seq.kv, seq.policy_state, seq.num_computed)
         self.policy.after_step(seq.kv, self.cache, seq.num_computed)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
@@ -279,8 +307,7 @@ class LLMEngine:
             finished=seq.finished, finish_reason=seq.finish_reason, error=seq.error,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
-            kv_usage=KVUsage(peak_kv_bytes=seq.peak_kv_bytes,
-                             tokens_full=seq.final_slots if seq.finished else seq.kv.num_slots))
+            kv_usage=self.retention.usage(seq))
 
     def set_max_batch_size(self, n: int) -> None:
         """Live change (remediation): applies from the next step; running sequences over the new
@@ -308,11 +335,13 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         with self._lock:
             used = self.cache.used_bytes
+            tiers = self.retention.tier_bytes([(s.kv, s.policy_state) for s in self.scheduler.running])
             return EngineStats(
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                 num_total_blocks=self.cache.num_blocks, num_free_blocks=self.cache.pool.num_free,
                 block_size=self.cache.spec.block_size, kv_bytes_used=used,
-                kv_bytes_total=self.cache.total_bytes, kv_bytes_full=used, kv_bytes_key_only=0,
+                kv_bytes_total=self.cache.total_bytes, kv_bytes_full=used - tiers["key_only"],
+                kv_bytes_key_only=tiers["key_only"],
                 num_preemptions=self.scheduler.num_preemptions, num_oom=self.num_oom,
                 prompt_tokens_total=self.prompt_tokens_total,
                 generated_tokens_total=self.generated_tokens_total,

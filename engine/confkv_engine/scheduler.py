@@ -16,6 +16,7 @@ block-aligned positions takes the same decisions.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCache
@@ -42,6 +43,8 @@ class Scheduler:
         bs = cache.spec.block_size
         # Align chunk ends to blocks only when a chunk can hold whole blocks.
         self.align = bs if prefill_chunk >= bs else 1
+        # Per-sequence alignment (retention: chunks never cross a decision point); None: ``align``.
+        self.align_for: Callable[[Sequence], int] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -74,9 +77,10 @@ class Scheduler:
     def chunk_size(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_uncomputed
         n = min(remaining, self.prefill_chunk, budget)
-        if 0 < n < remaining and self.align > 1:
+        align = self.align_for(seq) if self.align_for is not None and self.align > 1 else self.align
+        if 0 < n < remaining and align > 1:
             end = seq.num_computed + n
-            n = end - end % self.align - seq.num_computed
+            n = end - end % align - seq.num_computed
         return max(n, 0)
 
     def schedule(self) -> SchedulerOutput:

@@ -1,0 +1,254 @@
+"""KV retention quality: perplexity against measured KV bytes, full / streaming / h2o / conf-kv.
+
+Text: ``'\\n\\n'.join(topics[k] for k in sorted(topics))`` from ``pydoc_data.topics``, tokenized
+without BOS. Test set: tokens [0, 6144) as three 2,048-token windows; perplexity = exp(mean NLL
+over the second halves of the windows, pooled). Tuning (``--tune``) only reads [6144, 12288).
+Each window is fed online in prefill chunks of 32 with the policy acting after every chunk.
+
+    python bench/kv_quality.py --quick        # one 1,024-token window, f = 0.5 and 0.25
+    python bench/kv_quality.py                # the full run (three windows, f = 0.5/0.25/0.125)
+
+Results are checkpointed per configuration in ``bench/results/kv_quality.json`` (a rerun skips
+configurations already measured with the same settings); a table is printed and a PNG plot of
+perplexity increase against measured bytes is written next to the JSON.
+
+``--runner engine`` (default) feeds the windows through ``LLMEngine`` (``max_tokens=0``, prompt
+logprobs, prefill chunk 32); ``--runner offline`` uses ``retention.offline.run_sequence`` on the
+same cache and backend without the scheduler (a cross-check; numbers must agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for sub in ("api", "engine"):
+    sys.path.insert(0, str(ROOT / sub))
+
+from confkv_engine.retention.policies import RetentionConfig  # noqa: E402
+from confkv_engine.retention.scorer import ScorerConfig  # noqa: E402
+from confkv_engine.retention.tiers import TierConfig  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+CHUNK = 32
+POLICIES = ("streaming", "h2o", "conf-kv", "conf-kv-discard")
+ABLATIONS = ("combined", "sampling")  # conf-kv scoring modes besides the default 'attention'
+
+
+def pydoc_tokens(tokenizer) -> list[int]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return tokenizer.encode(text, add_bos=False)
+
+
+def windows(tokens: list[int], quick: bool, tune: bool) -> list[list[int]]:
+    base, size, count = (6144, 2048, 3) if tune else (0, 2048, 3)
+    if quick:
+        size, count = 1024, 1
+    return [tokens[base + i * size: base + (i + 1) * size] for i in range(count)]
+
+
+def second_half_nll(logprobs: torch.Tensor, size: int) -> torch.Tensor:
+    """NLL of tokens [size/2, size): logprobs[i] scores token i + 1."""
+    return -logprobs[size // 2 - 1: size - 1].double()
+
+
+def make_config(policy: str, f: float | None, args: argparse.Namespace,
+                mode: str | None = None) -> RetentionConfig:
+    decay = args.h2o_decay if policy == "h2o" else args.decay
+    scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
+                              decay=decay, scale=args.scale)
+    tiers = TierConfig(high=args.high, medium=args.medium, sinks=4, window=args.window,
+                       window_fraction=args.window_fraction, key_share=args.key_share)
+    return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f)
+
+
+class OfflineRunner:
+    """Drives each window through the paged cache with ``run_sequence`` (no scheduler)."""
+
+    def __init__(self, loaded) -> None:
+        from confkv_engine.kv_cache import CacheSpec, KVCache
+
+        a = loaded.model.args
+        spec = CacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, 16, torch.float32, torch.device("cpu"))
+        self.cache = KVCache.from_budget(spec, 2 * 2048 * spec.block_bytes // 16 + 8 * spec.block_bytes)
+        self.loaded = loaded
+
+    def run(self, cfg: RetentionConfig, tokens: list[int]) -> dict:
+        from confkv_engine.retention.manager import RetentionManager
+        from confkv_engine.retention.offline import run_sequence
+
+        manager = RetentionManager(self.cache, self.loaded.model.args.num_heads, cfg, CHUNK)
+        out = run_sequence(self.loaded.model, self.cache, manager, cfg, tokens, CHUNK)
+        return {"logprobs": out.logprobs, "peak": out.peak_bytes,
+                "mean": sum(out.held_bytes) / max(len(out.held_bytes), 1)}
+
+
+class EngineRunner:
+    """Feeds each window as a prompt (``max_tokens=0``, prompt logprobs) through ``LLMEngine``:
+    scheduler, paged cache, retention after every 32-token prefill chunk, as in serving."""
+
+    def __init__(self, loaded) -> None:
+        self.loaded = loaded
+        self.count = 0
+
+    def run(self, cfg: RetentionConfig, tokens: list[int]) -> dict:
+        from confkv_api.config import load_config
+        from confkv_engine.engine import LLMEngine
+        from confkv_engine.sampling_params import SamplingParams
+
+        engine_section = {"prefillChunk": CHUNK, "maxNumBatchedTokens": CHUNK, "blockSize": 16}
+        config = load_config({"engine": engine_section,
+                              "confkv": {"maxCacheSize": str(64 * 2**20)}})
+        engine = LLMEngine(self.loaded, config, retention=cfg)
+        self.count += 1
+        rid = f"kvq-{self.count}"
+        engine.add_request(rid, tokens, SamplingParams(max_tokens=0, prompt_logprobs=0, temperature=0.0))
+        samples, final = [], None
+        while final is None:
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    final = out
+            seq = next((s for s in engine.scheduler.running if s.request_id == rid), None)
+            if seq is not None:  # bytes held between steps (after the policy acted)
+                samples.append(engine.retention.held_bytes(seq.kv, seq.policy_state))
+        lps = [e.logprob for e in final.prompt_logprobs[1:]]
+        return {"logprobs": torch.tensor(lps), "peak": final.kv_usage.peak_kv_bytes,
+                "mean": sum(samples) / max(len(samples), 1), "usage": final.kv_usage}
+
+
+def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tune: bool, runner: str) -> str:
+    blob = json.dumps([name, f, asdict(cfg), quick, tune, runner], sort_keys=True, default=str)
+    return f"{name}@{f}#{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
+
+
+def measure(runner, name: str, cfg: RetentionConfig, wins: list[list[int]]) -> dict:
+    nll, peaks, means = [], [], []
+    t0 = time.time()
+    for w in wins:
+        r = runner.run(cfg, w)
+        nll.append(second_half_nll(r["logprobs"], len(w)))
+        peaks.append(r["peak"])
+        means.append(r["mean"])
+    pooled = torch.cat(nll)
+    return {"name": name, "ppl": math.exp(float(pooled.mean())), "nll": float(pooled.mean()),
+            "peak_kv_bytes": max(peaks), "mean_kv_bytes": sum(means) / len(means),
+            "seconds": round(time.time() - t0, 1)}
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, float | None, RetentionConfig]]:
+    budgets = [0.5, 0.25] if args.quick else [0.5, 0.25, 0.125]
+    if args.budgets:
+        budgets = [float(b) for b in args.budgets.split(",")]
+    items: list[tuple[str, float | None, RetentionConfig]] = [("full", None, make_config("full", None, args))]
+    for f in budgets:
+        for p in POLICIES:
+            items.append((p, f, make_config(p, f, args)))
+        if not args.no_ablations:
+            for mode in ABLATIONS:
+                items.append((f"conf-kv[{mode}]", f, make_config("conf-kv", f, args, mode)))
+    return items
+
+
+def load_results(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {"results": {}}
+
+
+def print_table(rows: list[dict], full: dict) -> None:
+    print(f"{'config':<24}{'f':>7}{'ppl':>9}{'+%':>8}{'peak KiB':>10}{'mean KiB':>10}{'peak/full':>10}")
+    for r in rows:
+        inc = 100 * (r["ppl"] / full["ppl"] - 1)
+        frac = r["peak_kv_bytes"] / full["peak_kv_bytes"]
+        f = "-" if r["f"] is None else f"{r['f']:.3f}"
+        print(f"{r['name']:<24}{f:>7}{r['ppl']:>9.3f}{inc:>8.2f}{r['peak_kv_bytes'] / 1024:>10.0f}"
+              f"{r['mean_kv_bytes'] / 1024:>10.0f}{frac:>10.3f}")
+
+
+def plot(rows: list[dict], full: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in sorted({r["name"] for r in rows if r["f"] is not None}):
+        pts = sorted((r["mean_kv_bytes"] / full["mean_kv_bytes"], 100 * (r["ppl"] / full["ppl"] - 1))
+                     for r in rows if r["name"] == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel("measured mean KV bytes / full cache")
+    ax.set_ylabel("perplexity increase over full cache (%)")
+    ax.set_title("KV retention on SmolLM2-135M (pydoc topics)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one 1,024-token window, two budgets")
+    ap.add_argument("--tune", action="store_true", help="use the tuning tokens [6144, 12288)")
+    ap.add_argument("--runner", choices=("engine", "offline"), default="engine")
+    ap.add_argument("--budgets", help="comma-separated fractions (overrides the default set)")
+    ap.add_argument("--policies", help="comma-separated config names to run (default: all)")
+    ap.add_argument("--no-ablations", action="store_true", help="skip attention-/sampling-only scoring")
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--window-fraction", type=float, default=TierConfig.window_fraction)
+    ap.add_argument("--high", type=float, default=0.9)
+    ap.add_argument("--medium", type=float, default=0.7)
+    ap.add_argument("--score-mode", default=ScorerConfig.mode)
+    ap.add_argument("--h2o-decay", type=float, default=0.999, help="H2O's own best decay (tuning set)")
+    ap.add_argument("--key-share", type=float, default=None, help="KEY_ONLY share under the budget")
+    ap.add_argument("--sampling-weight", type=float, default=ScorerConfig.sampling_weight)
+    ap.add_argument("--decay", type=float, default=ScorerConfig.decay)
+    ap.add_argument("--scale", type=float, default=ScorerConfig.scale)
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default bench/results/kv_quality[_quick|_tune].json)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    suffix = "_quick" if args.quick else ""
+    suffix += "_tune" if args.tune else ""
+    out = Path(args.out) if args.out else RESULTS / f"kv_quality{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    from confkv_engine.loader import load_model
+
+    loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
+    loaded.model.eval()
+    wins = windows(pydoc_tokens(loaded.tokenizer), args.quick, args.tune)
+    runner = EngineRunner(loaded) if args.runner == "engine" else OfflineRunner(loaded)
+    data = load_results(out)
+    wanted = set(args.policies.split(",")) if args.policies else None
+    rows = []
+    for name, f, cfg in plan(args):
+        if wanted and name not in wanted and name != "full":
+            continue
+        key = config_key(name, f, cfg, args.quick, args.tune, args.runner)
+        if key not in data["results"]:
+            res = measure(runner, name, cfg, wins)
+            res.update({"f": f, "config": json.loads(json.dumps(asdict(cfg), default=str))})
+            data["results"][key] = res
+            data["meta"] = {"windows": [len(w) for w in wins], "chunk": CHUNK, "runner": args.runner,
+                            "quick": args.quick, "tune": args.tune, "torch": torch.__version__}
+            out.write_text(json.dumps(data, indent=1))  # checkpoint after every configuration
+            print(f"  {name} f={f}: ppl {res['ppl']:.3f} ({res['seconds']} s)", flush=True)
+        rows.append(data["results"][key])
+    full = next(r for r in rows if r["name"] == "full")
+    print_table(rows, full)
+    plot(rows, full, out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

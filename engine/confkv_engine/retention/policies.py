@@ -1,0 +1,145 @@
+"""Retention policies as selection functions on the same inputs, selectable by name.
+
+Every policy sees a ``SlotView`` of one sequence at a decision point (units = (layer, KV head)
+pairs, ``[U, n]`` slot tensors) and returns the new tier of every slot. They differ only in how
+they choose; the budget target (bytes) and the accounting are shared, so peers are compared at
+the same byte budgets:
+
+- ``full``: keeps everything.
+- ``streaming`` (StreamingLLM): the ``sinks`` first tokens plus the most recent tokens that fit.
+- ``h2o`` (Heavy-Hitter Oracle): per unit, half of the tokens that fit are the most recent, the
+  other half the heavy hitters by normalised accumulated attention (``scorer.attention_signal``).
+- ``conf-kv``: confidence tiers (``tiers.decide_tiers``); ``conf-kv-discard`` is the same with the
+  KEY_ONLY tier disabled (the benchmark's "conf-kv without KEY_ONLY").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from . import scorer
+from .tiers import KVAccounting, Tier, TierConfig, decide_tiers
+
+POLICY_NAMES = ("full", "streaming", "h2o", "conf-kv", "conf-kv-discard")
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """What a sequence's retention does. ``budget``: fraction of the full cache's bytes;
+    ``budget_tokens``: bytes of that many full tokens; neither: no budget (thresholds only)."""
+
+    policy: str = "full"
+    tiers: TierConfig = field(default_factory=TierConfig)
+    scorer: scorer.ScorerConfig = field(default_factory=scorer.ScorerConfig)
+    budget: float | None = None
+    budget_tokens: int | None = None
+    budget_mode: str = "always"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown kv policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if self.budget is not None and not 0 < self.budget <= 1:
+            raise ValueError(f"kv budget must be in (0, 1], got {self.budget}")
+        if self.budget is not None and self.budget_tokens is not None:
+            raise ValueError("set at most one of budget and budget_tokens")
+        if self.budget_mode not in ("always", "pressure"):
+            raise ValueError(f"budget mode must be 'always' or 'pressure', got {self.budget_mode!r}")
+        if self.policy in ("streaming", "h2o") and self.budget is None and self.budget_tokens is None:
+            raise ValueError(f"kv policy {self.policy!r} needs a budget (kv_budget or kv_budget_tokens)")
+
+    @property
+    def scores_attention(self) -> bool:
+        return self.policy == "h2o" or (self.policy.startswith("conf-kv") and self.scorer.mode != "sampling")
+
+    @property
+    def uses_key_only(self) -> bool:
+        return self.policy == "conf-kv"
+
+    def recent_window(self, acct: KVAccounting, target: int) -> int:
+        """conf-kv's always-FULL window: grows with the budget when one is set (window_fraction)."""
+        if self.budget is None and self.budget_tokens is None:
+            return self.tiers.window
+        return self.tiers.effective_window(tokens_that_fit(target, acct), acct.block_size)
+
+
+@dataclass
+class SlotView:
+    """One sequence at a decision point. pos/tiers/acc/norm/c_samp are [U, n]."""
+
+    pos: Tensor
+    tiers: Tensor
+    acc: Tensor
+    norm: Tensor
+    c_samp: Tensor
+    length: int
+    prev_length: int
+    group: int
+    prev_window: int | None = None
+
+
+def tokens_that_fit(target: int, acct: KVAccounting) -> int:
+    """Most FULL tokens whose K and V blocks (and metadata) fit ``target`` bytes."""
+    per_block = 2 * acct.half_block_bytes + acct.block_size * acct.meta_bytes_per_slot
+    n = max(0, (target - acct.fixed_bytes) // per_block) * acct.block_size
+    while acct.held_bytes(n + 1, n + 1) <= target:
+        n += 1
+    return n
+
+
+def select_full(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
+    return view.tiers.clone()
+
+
+def select_streaming(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
+    n_keep = tokens_that_fit(target, acct)
+    recent = max(n_keep - cfg.tiers.sinks, 0)
+    keep = (view.pos < cfg.tiers.sinks) | (view.pos >= view.length - recent)
+    return _discard_rest(view.tiers, keep)
+
+
+def select_h2o(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
+    n_keep = tokens_that_fit(target, acct)
+    recent = n_keep // 2
+    is_recent = view.pos >= view.length - recent
+    alive = view.tiers != Tier.DISCARD
+    heavy_n = n_keep - int(is_recent[0].sum()) if is_recent.numel() else 0
+    att = scorer.attention_signal(view.acc, view.norm)
+    score = torch.where(alive & ~is_recent, att, torch.full_like(att, -1.0))
+    keep = is_recent.clone()
+    if heavy_n > 0:
+        top = score.topk(min(heavy_n, score.shape[-1]), dim=-1).indices
+        keep.scatter_(-1, top, True)
+    return _discard_rest(view.tiers, keep & alive)
+
+
+def select_conf_kv(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
+    conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer)
+    key_only = cfg.tiers.key_only and cfg.policy == "conf-kv"
+    tier_cfg = replace(cfg.tiers, window=cfg.recent_window(acct, target), key_only=key_only)
+    return decide_tiers(view.pos, view.tiers, conf, view.length, view.prev_length, tier_cfg, acct, target,
+                        view.prev_window)
+
+
+def _discard_rest(tiers: Tensor, keep: Tensor) -> Tensor:
+    out = tiers.clone()
+    out[~keep] = Tier.DISCARD
+    return out
+
+
+Selector = Callable[[SlotView, RetentionConfig, KVAccounting, int], Tensor]
+SELECTORS: dict[str, Selector] = {
+    "full": select_full,
+    "streaming": select_streaming,
+    "h2o": select_h2o,
+    "conf-kv": select_conf_kv,
+    "conf-kv-discard": select_conf_kv,
+}
+
+
+def select(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
+    """New tiers [U, n] for the policy named in ``cfg`` (DISCARD = free the slot)."""
+    return SELECTORS[cfg.policy](view, cfg, acct, target)

@@ -1,0 +1,163 @@
+"""Per-sequence retention state and the I/O that applies a policy to the paged cache.
+
+``RetentionState`` mirrors, for each K slot of every unit (layer, KV head), the token's absolute
+position, its tier and its attention accumulators, plus the per-position sampling confidence and
+the per-unit merged value of KEY_ONLY tokens. The backend (``backend.RetentionAttention``) feeds
+it the attention probabilities of every layer; ``after_step`` applies the policy at decision
+points and rewrites the sequence's slots.
+
+Slot layout once KEY_ONLY exists (every unit has the same counts, so tables stay rectangular):
+K slots ``[0, n_key)`` hold KEY_ONLY keys, ``[n_key, n)`` FULL keys (sinks and window included),
+each region in position order; V slot s still belongs to K slot s, and the V-table entries that
+cover only KEY_ONLY slots point at a shared, reference-counted *null block* instead of a real one.
+Reads of those slots are replaced by the merged mean in the backend; writes never go there (new
+tokens are appended at the end). So freeing a V block is just swapping its table entry for the
+null block, and the pool's own counts stay exact.
+
+Prefix-cache rule: a block whose reference count is above one is shared (or hashed) and
+immutable; ``after_step`` never acts on a sequence that holds one (``shared_blocks``), so
+retention only ever rewrites a request's private blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..kv_cache import KVCache, SeqKV
+from . import policies, scorer
+from .policies import RetentionConfig, SlotView
+from .tiers import KVAccounting, budget_target, is_decision_point
+
+
+def decision_interval(block_size: int, prefill_chunk: int) -> int:
+    """Decisions at multiples of this (a multiple of the block size holding one prefill chunk)."""
+    return -(-max(prefill_chunk, block_size) // block_size) * block_size
+
+
+def accounting(cache: KVCache, cfg: RetentionConfig) -> KVAccounting:
+    """Pool bytes of a sequence: K and V blocks (block_bytes includes the pool's position ints),
+    plus this state's per-slot metadata and merged values (fp32), for every unit."""
+    spec = cache.spec
+    units = spec.num_layers * spec.num_kv_heads
+    meta = units * (4 + 4 + 1) + 4 if cfg.policy != "streaming" else 0  # acc, norm, tier; c_samp
+    fixed = units * (spec.head_dim + 1) * 4 if cfg.uses_key_only else 0
+    return KVAccounting(spec.block_size, spec.block_bytes, meta if cfg.policy != "full" else 0, fixed)
+
+
+@dataclass
+class RetentionState:
+    cfg: RetentionConfig
+    acct: KVAccounting
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    group: int
+    interval: int
+    pos: Tensor = field(init=False)
+    tiers: Tensor = field(init=False)
+    acc: Tensor = field(init=False)
+    norm: Tensor = field(init=False)
+    v_mean: Tensor = field(init=False)
+    v_weight: Tensor = field(init=False)
+    c_samp: list[float] = field(default_factory=list)
+    last_query: list[int] = field(default_factory=list)
+    prev_decision: int = 0
+    n_key: int = 0
+    peak_bytes: int = 0
+    first_eviction: int | None = None  # length at the first decision that changed a tier
+    prev_window: int | None = None  # recent window at the previous decision
+
+    def __post_init__(self) -> None:
+        shape = (self.num_layers, self.num_kv_heads, 0)
+        self.pos = torch.zeros(shape, dtype=torch.long)
+        self.tiers = torch.zeros(shape, dtype=torch.int8)
+        self.acc = torch.zeros(shape, dtype=torch.float32)
+        self.norm = torch.zeros(shape, dtype=torch.float32)
+        self.v_mean = torch.zeros(self.num_layers, self.num_kv_heads, self.head_dim)
+        self.v_weight = torch.zeros(self.num_layers, self.num_kv_heads)
+        self.last_query = [-1] * self.num_layers
+
+    @property
+    def num_slots(self) -> int:
+        return self.pos.shape[-1]
+
+    @property
+    def wants_probs(self) -> bool:
+        return self.cfg.scores_attention
+
+    def may_register_hash(self) -> bool:
+        """Prefix-cache rule: once a tier changed, the sequence's KV no longer depends on its tokens
+        alone, so no block computed from then on may be registered under a token-only hash."""
+        return self.first_eviction is None
+
+    # ---- feeding ------------------------------------------------------------------------------
+    def on_append(self, positions: Tensor) -> None:
+        """New tokens (absolute ``positions`` [T]) were appended to every unit as FULL."""
+        t = positions.numel()
+        lh = (self.num_layers, self.num_kv_heads, t)
+        self.pos = torch.cat([self.pos, positions.cpu().long().expand(lh)], -1)
+        self.tiers = torch.cat([self.tiers, torch.zeros(lh, dtype=torch.int8)], -1)
+        self.acc = torch.cat([self.acc, torch.zeros(lh)], -1)
+        self.norm = torch.cat([self.norm, torch.zeros(lh)], -1)
+
+    def on_attention(self, layer: int, probs: Tensor, query_pos: Tensor) -> None:
+        """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer."""
+        s = probs.shape[-1]
+        self.last_query[layer] = scorer.update_attention(
+            self.acc[layer, :, :s], self.norm[layer, :, :s], probs.float().cpu(), self.pos[layer, :, :s],
+            query_pos.cpu().long(), self.last_query[layer], self.cfg.scorer.decay)
+
+    def on_sampling(self, first_position: int, confidences: list[float]) -> None:
+        """Sampling confidence of the tokens at ``first_position``, ``first_position + 1``..."""
+        need = first_position + len(confidences)
+        if len(self.c_samp) < need:
+            self.c_samp.extend([scorer.NEUTRAL_SAMPLING] * (need - len(self.c_samp)))
+        self.c_samp[first_position:need] = confidences
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def metadata_bytes(self) -> int:
+        return self.num_slots * self.acct.meta_bytes_per_slot + self.acct.fixed_bytes
+
+    def tier_counts(self, num_computed: int) -> tuple[int, int, int]:
+        """(FULL, KEY_ONLY, DISCARD) tokens per unit (the same in every unit)."""
+        n = self.num_slots
+        return n - self.n_key, self.n_key, max(num_computed - n, 0)
+
+    def _view(self, length: int) -> SlotView:
+        """Units flattened: [L * Hkv, n] (policies see units, not layers and heads)."""
+        c = torch.tensor(self.c_samp + [scorer.NEUTRAL_SAMPLING] * max(0, length - len(self.c_samp)))
+        n = self.num_slots
+        return SlotView(pos=self.pos.reshape(-1, n), tiers=self.tiers.reshape(-1, n),
+                        acc=self.acc.reshape(-1, n), norm=self.norm.reshape(-1, n),
+                        c_samp=c[self.pos].reshape(-1, n), length=length, prev_length=self.prev_decision,
+                        group=self.group, prev_window=self.prev_window)
+
+    def target_bytes(self, length: int, under_pressure: bool) -> int:
+        cfg = self.cfg
+        if cfg.budget_mode == "pressure" and not under_pressure:
+            return budget_target(self.acct, length, None, None, 0)
+        protected = min(length, cfg.tiers.sinks + cfg.tiers.window)
+        return budget_target(self.acct, length, cfg.budget, cfg.budget_tokens, protected)
+
+    def decide(self, length: int, under_pressure: bool = False) -> Tensor | None:
+        """New tiers at a decision point, or None when nothing changes."""
+        if self.cfg.policy == "full" or not is_decision_point(length, self.interval):
+            return None
+        target = self.target_bytes(length, under_pressure)
+        new = policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
+        self.prev_decision = length
+        self.prev_window = self.cfg.recent_window(self.acct, target)
+        if torch.equal(new, self.tiers):
+            return None
+        if self.first_eviction is None:
+            self.first_eviction = length
+        return new
+
+
+def shared_blocks(cache: KVCache, seq: SeqKV, null_block: int | None) -> bool:
+    """True when the sequence holds a block someone else references (prefix cache): immutable."""
+    return any(cache.pool.ref_count(b) > 1 for b in seq.k_blocks) or any(
+        b != null_block and cache.pool.ref_count(b) > 1 for b in seq.v_blocks)

@@ -1,0 +1,155 @@
+"""Retention confidence: pure functions turning model signals into a score in [0, 1].
+
+Two signals feed the confidence of a cached token ``j``:
+
+Sampling signal (per token, shared by all layers and heads). From the model's *untempered*
+log-softmax at the position that predicted ``j`` (request temperature/top-p never enter), we keep
+the probability of the realised token ``p_j``, the normalised entropy ``H_j / log V`` and the
+top-1/top-2 margin. Prompt tokens get it from the prefill logits, generated tokens from the decode
+logits; token 0 has no predictor and gets the neutral value 0.5. The sampling confidence is the
+*surprise* ``1 - p_j``: a token the model could not predict carries information the context cannot
+regenerate, so it is worth keeping (``kind='entropy'``/``'margin'`` select the alternatives).
+
+Attention signal (per layer and KV head). With ``a_ij`` the attention probability query ``i``
+gives key ``j`` summed over the query heads sharing the KV head (GQA group, so ``a_ij`` is in
+[0, G]) and ``t`` the newest query position::
+
+    A_j(t) = sum_{i=j..t} lam^(t-i) a_ij          N_j(t) = sum_{i=j..t} lam^(t-i)
+    att_j  = A_j / N_j                               (decayed mean over the queries that could see j)
+
+Decay is applied per query *position*, so processing queries one by one or in chunks of any size
+gives the same ``att_j`` (the update below is exact, see ``update_attention``). The attention
+confidence compares it with uniform attention over the current context of ``L`` tokens::
+
+    r_j = att_j * L / G        c_att = 1 - exp(-r_j / scale)
+
+so a token receiving exactly uniform attention has ``c_att = 1 - e^-1/scale`` (0.63 at scale 1).
+
+Combined confidence: ``c = (1 - w) * c_att + w * c_samp`` with ``w = sampling_weight``;
+``mode='attention'`` is ``w = 0``, ``mode='sampling'`` is ``w = 1``. Every quantity is in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+ScoreMode = Literal["attention", "sampling", "combined"]
+SamplingKind = Literal["surprise", "entropy", "margin"]
+NEUTRAL_SAMPLING = 0.5
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    """Scoring knobs. Defaults were tuned on tokens [6144, 12288) (docs/retention.md): the sampling
+    signal earned no weight there, so the default mode is attention-only."""
+
+    mode: ScoreMode = "attention"
+    sampling_weight: float = 0.2  # used by mode='combined' only
+    sampling_kind: SamplingKind = "surprise"
+    decay: float = 0.99
+    scale: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("attention", "sampling", "combined"):
+            raise ValueError(f"unknown score mode {self.mode!r}")
+        if self.sampling_kind not in ("surprise", "entropy", "margin"):
+            raise ValueError(f"unknown sampling kind {self.sampling_kind!r}")
+        if not 0.0 <= self.sampling_weight <= 1.0:
+            raise ValueError(f"sampling_weight must be in [0, 1], got {self.sampling_weight}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.scale <= 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+
+    @property
+    def effective_weight(self) -> float:
+        return {"attention": 0.0, "sampling": 1.0}.get(self.mode, self.sampling_weight)
+
+
+@dataclass(frozen=True)
+class SamplingSignal:
+    """Per predicted token: probability of the realised token, normalised entropy, top-2 margin."""
+
+    prob: Tensor
+    entropy: Tensor
+    margin: Tensor
+
+
+def sampling_signal(logits: Tensor, next_tokens: Tensor) -> SamplingSignal:
+    """logits [N, V] (untempered) at positions whose realised successors are ``next_tokens`` [N]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    prob = p.gather(-1, next_tokens.long()[:, None]).squeeze(-1)
+    entropy = -(p * logp.clamp_min(-1e30)).sum(-1) / math.log(logits.shape[-1])  # 0 * -inf is nan
+    top2 = p.topk(2, dim=-1).values
+    return SamplingSignal(prob=prob, entropy=entropy.clamp(0.0, 1.0), margin=top2[:, 0] - top2[:, 1])
+
+
+def sampling_confidence(signal: SamplingSignal, kind: SamplingKind = "surprise") -> Tensor:
+    """Map the sampling signal to [0, 1]; higher means 'keep'. See the module docstring."""
+    if kind == "surprise":
+        return 1.0 - signal.prob
+    if kind == "entropy":
+        return signal.entropy
+    return 1.0 - signal.margin
+
+
+def update_attention(
+    acc: Tensor, norm: Tensor, probs: Tensor, key_pos: Tensor, query_pos: Tensor, last_query: int,
+    decay: float,
+) -> int:
+    """Fold one chunk of queries into the decayed accumulators, in place; returns the new last query.
+
+    acc/norm [U, S]: A_j and N_j for the S cached keys of each of U units (units = KV heads of one
+    layer, or any leading dims flattened), keys added this chunk start at 0.
+    probs [U, T, S]: attention of the T chunk queries to each key, already summed over the query
+    heads of the unit. key_pos [U, S], query_pos [T] (ascending) are absolute positions.
+    ``last_query`` is the position of the newest query already folded in (-1 if none).
+
+    Exactness: rescaling by lam^(t_new - t_old) and weighting each query by lam^(t_new - i) is the
+    same sum as folding the queries one at a time, so the result does not depend on chunk size.
+    """
+    t_new = int(query_pos[-1])
+    if last_query >= 0 and decay != 1.0:
+        factor = decay ** (t_new - last_query)
+        acc.mul_(factor)
+        norm.mul_(factor)
+    w = decay ** (t_new - query_pos.to(torch.float64)).to(acc.dtype)  # [T]
+    acc.add_(torch.einsum("t,uts->us", w, probs.to(acc.dtype)))
+    visible = (key_pos[:, None, :] <= query_pos[None, :, None]).to(acc.dtype)  # [U, T, S]
+    norm.add_(torch.einsum("t,uts->us", w, visible))
+    return t_new
+
+
+def attention_signal(acc: Tensor, norm: Tensor) -> Tensor:
+    """att_j = A_j / N_j (0 where no query has seen the key yet)."""
+    return torch.where(norm > 0, acc / norm.clamp_min(1e-30), torch.zeros_like(acc))
+
+
+def attention_confidence(att: Tensor, context_len: int, group: int, scale: float = 1.0) -> Tensor:
+    """c_att = 1 - exp(-att * L / (G * scale)): attention relative to uniform, squashed into [0, 1]."""
+    ratio = att * (context_len / (group * scale))
+    return 1.0 - torch.exp(-ratio.clamp_min(0.0))
+
+
+def combine(c_att: Tensor, c_samp: Tensor, config: ScorerConfig) -> Tensor:
+    """c = (1 - w) c_att + w c_samp, broadcasting the per-token sampling term over units."""
+    w = config.effective_weight
+    if w == 0.0:
+        return c_att
+    if w == 1.0:
+        return c_samp.expand_as(c_att).clone()
+    return (1.0 - w) * c_att + w * c_samp
+
+
+def confidence(
+    acc: Tensor, norm: Tensor, c_samp: Tensor, context_len: int, group: int, config: ScorerConfig
+) -> Tensor:
+    """Combined retention confidence for [U, S] cached keys; ``c_samp`` [S] or [U, S]."""
+    c_att = attention_confidence(attention_signal(acc, norm), context_len, group, config.scale)
+    return combine(c_att, c_samp, config).clamp(0.0, 1.0)

@@ -1,0 +1,223 @@
+"""Tier decisions and budget enforcement: pure functions over per-unit slot tensors.
+
+A *unit* is one (layer, KV head): each keeps its own token set, so tensors are [U, n] (n cached
+slots per unit, absolute positions in ``pos``). Every unit holds the *same number* of slots per tier
+(its own choice of tokens, a shared count): that keeps the pool rectangular, so a block holds the
+same slot index for every unit and the bytes a sequence holds are exact whole blocks.
+
+Rules (issue 3):
+- Sinks (first ``sinks`` positions) and the recent window (last ``window`` positions, window >= the
+  prefill chunk) are always FULL.
+- When a token leaves the window it is tiered once by its confidence: ``>= high`` FULL,
+  ``[medium, high)`` KEY_ONLY, ``< medium`` DISCARD (KEY_ONLY disabled: ``>= medium`` stays FULL).
+  Each unit applies the thresholds to its own confidences; the shared counts are the rounded means
+  of the per-unit counts and each unit keeps its own highest-confidence tokens up to them.
+- When the budget binds, the lowest-confidence token is demoted one tier at a time
+  (FULL -> KEY_ONLY -> DISCARD); demotion is one-way (a tier never rises).
+- Decisions happen only at block-aligned lengths (the caller's job; ``is_decision_point``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+from torch import Tensor
+
+
+class Tier(IntEnum):
+    FULL = 0
+    KEY_ONLY = 1
+    DISCARD = 2
+
+
+@dataclass(frozen=True)
+class KVAccounting:
+    """Bytes a sequence holds in the pool, counted as the pool counts them.
+
+    ``half_block_bytes``: one block of K (or of V) for all units (block_size x layers x KV heads x
+    head_dim x element size). K and V are allocated separately: a sequence with ``n_k`` key slots
+    of which the last ``n_v`` have values holds ceil(n_k/B) K blocks and the V blocks of the table
+    entries that cover at least one value slot. ``meta_bytes_per_slot``
+    (scores, positions, tiers for all units) and ``fixed_bytes`` (merged values; 0 for policies that
+    keep none) are added on top.
+    """
+
+    block_size: int
+    half_block_bytes: int
+    meta_bytes_per_slot: int = 0
+    fixed_bytes: int = 0
+
+    def blocks(self, n: int) -> int:
+        return -(-n // self.block_size)
+
+    def held_bytes(self, n_k: int, n_v: int) -> int:
+        # KEY_ONLY slots are the first n_k - n_v K slots; only V-table entries covering nothing
+        # but them are freed, so a partial block shared with FULL slots still holds V.
+        v_blocks = self.blocks(n_k) - (n_k - n_v) // self.block_size
+        data = (self.blocks(n_k) + v_blocks) * self.half_block_bytes
+        return data + n_k * self.meta_bytes_per_slot + self.fixed_bytes
+
+    def full_bytes(self, length: int) -> int:
+        """What the full cache holds at ``length`` tokens (K and V blocks, no retention metadata)."""
+        return 2 * self.blocks(length) * self.half_block_bytes
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    high: float = 0.9
+    medium: float = 0.7
+    sinks: int = 4
+    window: int = 512
+    key_only: bool = True
+    # The recent window grows to this fraction of the tokens the budget holds (0: fixed window;
+    # 0.5 tuned on tokens [6144, 12288), see docs/retention.md).
+    window_fraction: float = 0.5
+    # Budget demotion order. None: the literal one-tier-at-a-time walk (KEY_ONLY, ranked below FULL
+    # by the thresholds, is discarded first). A share s: the lowest FULL token goes to KEY_ONLY while
+    # KEY_ONLY holds less than s of the kept candidates, otherwise the lowest KEY_ONLY is discarded.
+    key_share: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.medium < self.high <= 1.0:
+            raise ValueError(f"need 0 <= medium < high <= 1, got medium={self.medium} high={self.high}")
+        if self.sinks < 0 or self.window < 1:
+            raise ValueError(f"sinks must be >= 0 and window >= 1, got {self.sinks}, {self.window}")
+        if self.key_share is not None and not 0.0 < self.key_share < 1.0:
+            raise ValueError(f"key_share must be in (0, 1), got {self.key_share}")
+        if not 0.0 <= self.window_fraction < 1.0:
+            raise ValueError(f"window_fraction must be in [0, 1), got {self.window_fraction}")
+
+    def effective_window(self, budget_tokens: int, block_size: int) -> int:
+        """The always-FULL recent window: the configured one, or a block-aligned share of the budget."""
+        share = int(self.window_fraction * budget_tokens) // block_size * block_size
+        return max(self.window, share)
+
+
+def is_decision_point(length: int, interval: int) -> bool:
+    """Policies act only when the length is a multiple of ``interval`` (a multiple of the block size)."""
+    return length > 0 and length % interval == 0
+
+
+def protected_mask(pos: Tensor, length: int, sinks: int, window: int) -> Tensor:
+    return (pos < sinks) | (pos >= length - window)
+
+
+def budget_target(
+    acct: KVAccounting, length: int, fraction: float | None, tokens: int | None, protected_tokens: int
+) -> int:
+    """max(f x full bytes, bytes of sinks + window) in bytes; ``tokens`` budgets count full tokens."""
+    floor = acct.held_bytes(protected_tokens, protected_tokens)
+    if tokens is not None:
+        return max(acct.full_bytes(tokens), floor)
+    if fraction is None:
+        return acct.full_bytes(length) + floor
+    return max(int(fraction * acct.full_bytes(length)), floor)
+
+
+def threshold_tiers(conf: Tensor, cfg: TierConfig) -> Tensor:
+    tiers = torch.full_like(conf, Tier.DISCARD, dtype=torch.int8)
+    if cfg.key_only:
+        tiers[(conf >= cfg.medium) & (conf < cfg.high)] = Tier.KEY_ONLY
+        tiers[conf >= cfg.high] = Tier.FULL
+    else:
+        tiers[conf >= cfg.medium] = Tier.FULL
+    return tiers
+
+
+def fit_counts(n_prot: int, n_full: int, n_key: int, target: int, acct: KVAccounting) -> tuple[int, int]:
+    """Walk the demotion order until the sequence fits ``target`` bytes.
+
+    The counts are shared by all units, so they follow the order of a unit whose KEY_ONLY tokens
+    rank below its FULL ones (the thresholds' order): KEY_ONLY tokens are discarded first, then the
+    lowest FULL goes to KEY_ONLY and, still lowest, is discarded next. Which tokens hold the counts
+    is then decided per unit by confidence (``assign_by_rank``), so a unit whose KEY_ONLY token now
+    outranks a FULL one demotes that FULL token instead, as the one-tier-at-a-time rule would.
+    """
+    def fits(f: int, k: int) -> bool:
+        return acct.held_bytes(n_prot + f + k, n_prot + f) <= target
+
+    if fits(n_full, n_key):
+        return n_full, n_key
+    for k in range(n_key - 1, -1, -1):
+        if fits(n_full, k):
+            return n_full, k
+    # Counts now go (f, 0) -> (f-1, 1) -> (f-1, 0) -> ...: bytes shrink monotonically.
+    for f in range(n_full - 1, -1, -1):
+        if fits(f, 1):
+            return f, 1
+        if fits(f, 0):
+            return f, 0
+    return 0, 0
+
+
+def fit_counts_shared(n_prot: int, n_full: int, n_key: int, target: int, acct: KVAccounting,
+                      share: float) -> tuple[int, int]:
+    """Demotion walk that keeps up to ``share`` of the kept candidates as KEY_ONLY (see TierConfig)."""
+    f, k = n_full, n_key
+    while acct.held_bytes(n_prot + f + k, n_prot + f) > target and f + k > 0:
+        if f > 0 and (k == 0 or k < share * (f + k)):
+            f, k = f - 1, k + 1
+        else:
+            k -= 1
+    return f, k
+
+
+def _rank_desc(conf: Tensor, eligible: Tensor) -> Tensor:
+    """Rank (0 = highest confidence) of each eligible slot within its unit; ineligible get n."""
+    n = conf.shape[-1]
+    key = torch.where(eligible, conf, torch.full_like(conf, -math.inf))
+    order = key.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(n).expand_as(order).contiguous())
+    return torch.where(eligible, ranks, torch.full_like(ranks, n))
+
+
+def assign_by_rank(conf: Tensor, tiers: Tensor, eligible: Tensor, n_full: int, n_key: int) -> Tensor:
+    """Per unit: keep FULL for the ``n_full`` best current-FULL slots, KEY_ONLY for the next ``n_key``
+    (best of the rest of FULL and KEY_ONLY), DISCARD for the remaining eligible slots. One-way."""
+    out = tiers.clone()
+    full_rank = _rank_desc(conf, eligible & (tiers == Tier.FULL))
+    keep_full = full_rank < n_full
+    rest = eligible & ~keep_full & (tiers != Tier.DISCARD)
+    key_rank = _rank_desc(conf, rest)
+    out[eligible & ~keep_full] = Tier.DISCARD
+    out[rest & (key_rank < n_key)] = Tier.KEY_ONLY
+    out[keep_full] = Tier.FULL
+    return out
+
+
+def equal_count(mask: Tensor) -> int:
+    """Shared per-unit count: the rounded mean over units of a per-unit count."""
+    return int(round(mask.sum(-1).double().mean().item())) if mask.numel() else 0
+
+
+def decide_tiers(
+    pos: Tensor, tiers: Tensor, conf: Tensor, length: int, prev_length: int, cfg: TierConfig,
+    acct: KVAccounting, target: int, prev_window: int | None = None,
+) -> Tensor:
+    """One conf-kv decision for [U, n] slots at ``length`` (last decision at ``prev_length``, when
+    the window was ``prev_window``, default ``cfg.window``)."""
+    prot = protected_mask(pos, length, cfg.sinks, cfg.window)
+    alive = tiers != Tier.DISCARD
+    was_window = prev_length - (cfg.window if prev_window is None else prev_window)
+    exiting = alive & ~prot & (pos >= max(cfg.sinks, was_window))
+    out = tiers.clone()
+    if exiting.any():
+        wanted = threshold_tiers(conf, cfg)
+        e_full = equal_count(exiting & (wanted == Tier.FULL))
+        e_key = equal_count(exiting & (wanted != Tier.DISCARD)) - e_full
+        out = assign_by_rank(conf, out, exiting, e_full, e_key)
+    cand = (out != Tier.DISCARD) & ~prot
+    n_full = equal_count(cand & (out == Tier.FULL))
+    n_key = equal_count(cand & (out == Tier.KEY_ONLY))
+    n_prot = equal_count(prot & alive)
+    if cfg.key_share is None or not cfg.key_only:
+        f, k = fit_counts(n_prot, n_full, n_key, target, acct)
+    else:
+        f, k = fit_counts_shared(n_prot, n_full, n_key, target, acct, cfg.key_share)
+    if (f, k) != (n_full, n_key):
+        out = assign_by_rank(conf, out, cand, f, k)
+    return out

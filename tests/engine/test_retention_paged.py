@@ -1,0 +1,118 @@
+"""Retention on the real paged cache (tiny random model, no scheduler): budget invariant after every
+step, blocks back in the pool, exactness when nothing is evicted, KEY_ONLY frees V blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv_engine.kv_cache import CacheSpec, KVCache
+from confkv_engine.model import DenseAttention, LlamaForCausalLM, ModelArgs
+from confkv_engine.retention.manager import RetentionManager
+from confkv_engine.retention.offline import run_sequence
+from confkv_engine.retention.policies import RetentionConfig
+from confkv_engine.retention.scorer import ScorerConfig
+from confkv_engine.retention.tiers import TierConfig
+
+CHUNK, BLOCK = 32, 16
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
+    m = LlamaForCausalLM(args).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(std=0.15)
+    return m
+
+
+@pytest.fixture()
+def cache() -> KVCache:
+    return KVCache(CacheSpec(2, 2, 16, BLOCK, torch.float32, torch.device("cpu")), 120)
+
+
+def _tokens(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference(model: LlamaForCausalLM, toks: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.tensor(toks), torch.arange(len(toks)), DenseAttention()))
+    lp = torch.log_softmax(logits[:-1], -1)
+    return lp.gather(-1, torch.tensor(toks[1:])[:, None]).squeeze(-1)
+
+
+def test_nothing_evicted_matches_dense_reference(model, cache) -> None:
+    cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=0.01, medium=0.0, window=CHUNK))
+    run = run_sequence(model, cache, RetentionManager(cache, 4, cfg, CHUNK), cfg, _tokens(200), CHUNK)
+    torch.testing.assert_close(run.logprobs, _reference(model, _tokens(200)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "conf-kv", "conf-kv-discard"])
+@pytest.mark.parametrize("f", [0.5, 0.25])
+def test_budget_invariant_after_every_step_and_blocks_return(model, cache, policy: str, f: float) -> None:
+    cfg = RetentionConfig(policy=policy, tiers=TierConfig(window=CHUNK, high=0.9, medium=0.3), budget=f)
+    manager = RetentionManager(cache, 4, cfg, CHUNK)
+    free_before = cache.pool.num_free
+    run = run_sequence(model, cache, manager, cfg, _tokens(320), CHUNK)
+    acct = manager.new_state(cfg).acct
+    chunk_bytes = acct.held_bytes(CHUNK, CHUNK) - acct.fixed_bytes
+    for length, held in zip(run.lengths, run.peak_before, strict=True):
+        floor = acct.held_bytes(4 + CHUNK, 4 + CHUNK)
+        assert held <= max(f * acct.full_bytes(length), floor) + chunk_bytes, (length, held)
+    # Memory really went back: the held bytes at the end are well under the full cache's.
+    assert run.held_bytes[-1] < 0.5 * acct.full_bytes(run.lengths[-1]) + chunk_bytes
+    # Every block (including the shared null block's references) is back after the sequence ends.
+    assert cache.pool.num_free >= free_before - (1 if manager.null.id is not None else 0)
+    if manager.null.id is not None:
+        assert cache.pool.ref_count(manager.null.id) == 1
+
+
+def test_compaction_frees_blocks_in_the_same_step(model, cache) -> None:
+    cfg = RetentionConfig(policy="streaming", tiers=TierConfig(window=CHUNK), budget=0.25)
+    run = run_sequence(model, cache, RetentionManager(cache, 4, cfg, CHUNK), cfg, _tokens(256), CHUNK)
+    # Free blocks stop shrinking once the budget binds: the pool gets blocks back every step.
+    assert min(run.free_blocks[-4:]) > min(run.free_blocks[:2]) - 6
+    assert max(run.held_bytes[-4:]) <= run.peak_before[-1]
+
+
+def test_key_only_tier_frees_values(model, cache) -> None:
+    # Everything leaving the window becomes KEY_ONLY (medium 0, high 1): V blocks of old tokens go.
+    cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=1.0, medium=0.0, sinks=4, window=CHUNK),
+                          scorer=ScorerConfig(mode="attention"))
+    manager = RetentionManager(cache, 4, cfg, CHUNK)
+    from confkv_engine.kv_cache import SeqKV
+    from confkv_engine.retention.backend import RetentionAttention
+
+    backend, seq, state = RetentionAttention(cache, 4), SeqKV(), manager.new_state(cfg)
+    toks = _tokens(160)
+    with torch.inference_mode():
+        for start in range(0, 160, CHUNK):
+            cache.reserve(seq, CHUNK)
+            pos = torch.arange(start, start + CHUNK)
+            backend.begin_step([seq], [CHUNK], pos, [state])
+            model(torch.tensor(toks[start:start + CHUNK]), pos, backend)
+            backend.end_step()
+            manager.after_step(seq, state, start + CHUNK)
+    full, key_only, discarded = state.tier_counts(160)
+    assert (full, key_only, discarded) == (4 + CHUNK, 160 - 4 - CHUNK, 0)
+    nulls = sum(b == manager.null.id for b in seq.v_blocks)
+    assert nulls == key_only // BLOCK and len(seq.k_blocks) == 10
+    assert manager.held_bytes(seq, state) == state.acct.held_bytes(160, full)
+    # KEY_ONLY slots come first per unit, in position order, then FULL (sinks, window).
+    assert state.pos[0, 0, :key_only].tolist() == list(range(4, 4 + key_only))
+    assert float(state.v_weight.min()) > 0
+    cache.free(seq)
+
+
+def test_null_block_survives_sequences_that_end(model, cache) -> None:
+    cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=1.0, medium=0.0, window=CHUNK),
+                          scorer=ScorerConfig(mode="attention"))
+    manager = RetentionManager(cache, 4, cfg, CHUNK)
+    for seed in (1, 2):  # the second sequence reuses the null block after the first freed its entries
+        run_sequence(model, cache, manager, cfg, _tokens(128, seed), CHUNK)
+        assert cache.pool.ref_count(manager.null.id) == 1
+    assert cache.pool.num_free == cache.pool.num_blocks - 1

@@ -1,0 +1,99 @@
+"""Retention scorer: exact small examples and chunk-size independence of the attention signal."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from confkv_engine.retention import scorer
+from confkv_engine.retention.scorer import ScorerConfig
+
+
+def test_sampling_signal_exact_values() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.7, 0.1, 0.1, 0.1]]))
+    sig = scorer.sampling_signal(logits, torch.tensor([1, 0]))
+    assert sig.prob.tolist() == pytest.approx([0.25, 0.7])
+    h0 = -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)) / math.log(4)
+    h1 = -(0.7 * math.log(0.7) + 3 * 0.1 * math.log(0.1)) / math.log(4)
+    assert sig.entropy.tolist() == pytest.approx([h0, h1])  # a zero-probability entry is not nan
+    assert sig.margin.tolist() == pytest.approx([0.25, 0.6])
+    assert scorer.sampling_confidence(sig, "surprise").tolist() == pytest.approx([0.75, 0.3])
+    assert scorer.sampling_confidence(sig, "margin").tolist() == pytest.approx([0.75, 0.4])
+
+
+def test_sampling_signal_ignores_temperature_scaled_copies() -> None:
+    """The signal comes from the logits as given: a tempered copy is a different distribution, so
+    callers must pass untempered logits (the engine does); here we pin that the function itself
+    applies no temperature."""
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    p = torch.softmax(logits, -1)[0, 0].item()
+    assert scorer.sampling_signal(logits, torch.tensor([0])).prob.item() == pytest.approx(p)
+
+
+def _fold(probs: torch.Tensor, key_pos: torch.Tensor, chunks: list[int], decay: float):
+    u, t, s = probs.shape
+    acc, norm = torch.zeros(u, s, dtype=torch.float64), torch.zeros(u, s, dtype=torch.float64)
+    last, start = -1, 0
+    for c in chunks:
+        qpos = torch.arange(start, start + c)
+        chunk = probs[:, start:start + c].double()
+        last = scorer.update_attention(acc, norm, chunk, key_pos, qpos, last, decay)
+        start += c
+    return acc, norm
+
+
+def test_attention_signal_exact_small_example() -> None:
+    # One unit, keys at positions 0 and 1, queries at 0, 1, 2 (query 0 sees only key 0).
+    probs = torch.tensor([[[1.0, 0.0], [0.4, 0.6], [0.2, 0.8]]])
+    acc, norm = _fold(probs, torch.tensor([[0, 1]]), [3], decay=0.5)
+    # A_0 = 0.25*1 + 0.5*0.4 + 0.2 ; N_0 = 0.25 + 0.5 + 1 ; A_1 = 0.5*0.6 + 0.8 ; N_1 = 0.5 + 1
+    assert acc[0].tolist() == pytest.approx([0.65, 1.1])
+    assert norm[0].tolist() == pytest.approx([1.75, 1.5])
+    att = scorer.attention_signal(acc, norm)
+    assert att[0].tolist() == pytest.approx([0.65 / 1.75, 1.1 / 1.5])
+
+
+@pytest.mark.parametrize("chunks", [[1] * 12, [5, 7], [12], [3, 1, 8]])
+def test_attention_signal_independent_of_chunk_size(chunks: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    u, t = 3, 12
+    scores = torch.randn(u, t, t, generator=gen)
+    causal = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1) * 3  # summed over a group of 3
+    key_pos = torch.arange(t).expand(u, t)
+    ref_acc, ref_norm = _fold(probs, key_pos, [1] * t, decay=0.9)
+    acc, norm = _fold(probs, key_pos, chunks, decay=0.9)
+    torch.testing.assert_close(acc, ref_acc)
+    torch.testing.assert_close(norm, ref_norm)
+    # Normalised by the (decayed) number of queries that could see the key: last key saw one query.
+    assert norm[0, -1].item() == pytest.approx(1.0)
+
+
+def test_attention_confidence_relative_to_uniform() -> None:
+    att = torch.tensor([[0.0, 1.0 / 10, 3.0 / 10]]) * 3  # group of 3, context of 10 tokens
+    c = scorer.attention_confidence(att, context_len=10, group=3, scale=1.0)
+    assert c[0].tolist() == pytest.approx([0.0, 1 - math.exp(-1), 1 - math.exp(-3)])
+
+
+def test_combined_modes() -> None:
+    acc = torch.tensor([[0.3, 0.0]])
+    norm = torch.tensor([[1.0, 1.0]])
+    c_samp = torch.tensor([0.2, 0.9])
+    c_att = scorer.attention_confidence(scorer.attention_signal(acc, norm), 10, 3)
+    att_only = scorer.confidence(acc, norm, c_samp, 10, 3, ScorerConfig(mode="attention", scale=1.0))
+    samp_only = scorer.confidence(acc, norm, c_samp, 10, 3, ScorerConfig(mode="sampling", scale=1.0))
+    mixed_cfg = ScorerConfig(mode="combined", sampling_weight=0.25, scale=1.0)
+    mixed = scorer.confidence(acc, norm, c_samp, 10, 3, mixed_cfg)
+    torch.testing.assert_close(att_only, c_att)
+    torch.testing.assert_close(samp_only, c_samp[None])
+    torch.testing.assert_close(mixed, 0.75 * c_att + 0.25 * c_samp)
+    assert float(mixed.min()) >= 0 and float(mixed.max()) <= 1
+
+
+def test_scorer_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="decay"):
+        ScorerConfig(decay=0.0)
+    with pytest.raises(ValueError, match="mode"):
+        ScorerConfig(mode="magic")  # type: ignore[arg-type]
