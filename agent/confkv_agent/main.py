@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"confkv-agent: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     _configure_logging(args.log_level, args.log_format)
-    client = EngineClient(args.socket or config.engine.grpc_socket)
+    client = EngineClient(args.socket or config.engine.control_socket)
     agent = Agent(config, client, config_path=args.config, metrics=AgentMetrics())
     try:
         http = serve_http(args.host, args.port, agent.metrics, lambda: agent.health(time.time(), interval))

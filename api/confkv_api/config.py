@@ -103,8 +103,14 @@ class EngineSection(_Model):
     max_waiting: int = Field(default=256, ge=1)
     cuda_streams: int = Field(default=4, ge=1, le=64)
     api_key: str | None = None
-    grpc_socket: str = "/tmp/confkv/engine.sock"
+    grpc_socket: str | None = None
     cache_dir: str | None = None
+
+    @property
+    def control_socket(self) -> str:
+        """The gRPC control socket: ``grpcSocket``, else one per port, so two local servers (and
+        their agents) never share a socket."""
+        return self.grpc_socket or f"/tmp/confkv/engine-{self.port}.sock"
 
     @model_validator(mode="after")
     def _chunk_fits_budget(self) -> EngineSection:

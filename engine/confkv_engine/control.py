@@ -164,7 +164,7 @@ class EngineBinding:
 class ControlPlane:
     def __init__(self, config: ConfKVConfig) -> None:
         self.config = config
-        self.address = config.engine.grpc_socket
+        self.address = config.engine.control_socket
         self._binding: EngineBinding | None = None
         self.store: PolicyStore | None = None
         self._server: grpc.Server | None = None
