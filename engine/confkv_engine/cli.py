@@ -72,7 +72,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-cache-size",
         help="KV pool size: bytes ('512Mi', '2G') or a fraction of device memory ('80%%')")
     add("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (env CONFKV_API_KEY)")
-    add("--grpc-socket", metavar="PATH", help="Unix socket of the gRPC control plane (default /tmp/confkv/engine-PORT.sock)")
+    add("--grpc-socket", metavar="PATH",
+        help="Unix socket of the gRPC control plane (default /tmp/confkv/engine-PORT.sock)")
     add("--threads", type=int, help="torch CPU threads (env CONFKV_THREADS; default: all cores)")
     add("--kv-policy", choices=["full", "streaming", "h2o", "conf-kv"], help="KV retention policy")
     add("--kv-budget", type=float, metavar="F", help="per-sequence KV budget, fraction of the full cache")
