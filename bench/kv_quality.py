@@ -195,7 +195,7 @@ def plot(rows: list[dict], full: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one 1,024-token window, two budgets")
     ap.add_argument("--tune", action="store_true", help="use the tuning tokens [6144, 12288)")
@@ -215,7 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=ScorerConfig.scale)
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/kv_quality[_quick|_tune].json)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",
+                    help="ppl: the perplexity table; long / concurrency / overhead: sub-benchmarks (a)-(c)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.scenario != "ppl":
+        from kv_scenarios import run_scenario
+
+        return run_scenario(args)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     suffix = "_quick" if args.quick else ""
     suffix += "_tune" if args.tune else ""

@@ -97,6 +97,8 @@ class LLMEngine:
                                    eng.prefill_chunk)
         # Chunks of retained sequences never cross a decision point, so replays are exact.
         self.scheduler.align_for = self.retention.align_for
+        # Admission reserves a binding budget, not the full length.
+        self.scheduler.headroom_for = self.retention.headroom
         self.policy: RetentionPolicy = policy or FullCache()
         self.max_waiting = eng.max_waiting
         self._seqs: dict[str, Sequence] = {}
@@ -133,7 +135,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
                 f"{self.max_model_len}", param="prompt", code="context_length_exceeded")
         try:
-            self.retention.config_for(params.kv_policy, params.kv_budget)
+            cfg = self.retention.config_for(params.kv_policy, params.kv_budget)
         except ValueError as err:
             raise InvalidRequest(str(err), param="kv_policy") from None
         total = len(prompt) + params.max_tokens
@@ -142,10 +144,13 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                 f"({len(prompt)}) plus max_tokens ({params.max_tokens}) needs {total}",
                 param="max_tokens", code="context_length_exceeded")
-        if self.cache.blocks_for_tokens(total) > self.cache.num_blocks:
+        # A binding retention budget is what the request can ever hold, not its full length.
+        needed = self.retention.reserve_blocks(cfg, total) or self.cache.blocks_for_tokens(total)
+        if needed > self.cache.num_blocks:
             raise InvalidRequest(
                 f"the KV cache holds {self.cache.num_blocks // 2 * self.cache.spec.block_size} tokens; "
-                f"prompt plus max_tokens ({total}) can never fit (raise maxCacheSize)",
+                f"prompt plus max_tokens ({total}) needs {needed} blocks under its kv policy and "
+                f"can never fit (raise maxCacheSize or lower kv_budget)",
                 param="max_tokens", code="kv_cache_too_small")
 
     def abort_request(self, request_id: str) -> None:

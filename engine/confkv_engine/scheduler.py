@@ -8,6 +8,11 @@ front of the waiting queue, restarted from position 0 later). Waiting sequences 
 FIFO order while there is room in the batch (``max_batch_size``), the budget and the pool; nothing
 is admitted in a step that preempted.
 
+Sequences with a binding retention budget (``headroom_for`` returns a count for them) are admitted
+against their budget, not their full length: a waiting one is admitted only while the free blocks
+cover its whole reservation plus what running reserved sequences may still take, so those never
+preempt one another. Others keep the greedy rule (first chunk fits, preemption as the fallback).
+
 Prefill chunks end at multiples of ``block_size`` (unless they finish the known tokens), so a
 replay after preemption runs the same chunk boundaries and a retention policy acting at
 block-aligned positions takes the same decisions.
@@ -45,6 +50,8 @@ class Scheduler:
         self.align = bs if prefill_chunk >= bs else 1
         # Per-sequence alignment (retention: chunks never cross a decision point); None: ``align``.
         self.align_for: Callable[[Sequence], int] | None = None
+        # Blocks a sequence may still take from its reservation; None (or returning None): greedy.
+        self.headroom_for: Callable[[Sequence], int | None] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -114,15 +121,22 @@ class Scheduler:
                 return False
         return True
 
+    def _headroom(self, seq: Sequence) -> int | None:
+        return self.headroom_for(seq) if self.headroom_for is not None else None
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         pool = self.cache.pool
+        promised = sum(h or 0 for h in map(self._headroom, self.running))
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             n = self.chunk_size(seq, budget)
-            if n == 0 or not pool.can_allocate(self.cache.blocks_needed(seq.kv, n)):
+            need = self.cache.blocks_needed(seq.kv, n)
+            reserved = self._headroom(seq)
+            if n == 0 or not pool.can_allocate(promised + max(need, reserved or 0)):
                 break
             self.waiting.popleft()
             self.cache.reserve(seq.kv, n)
+            promised += max(0, (reserved or 0) - need)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

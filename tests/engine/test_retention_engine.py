@@ -98,6 +98,8 @@ def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded) -> None:
     prompts = [prompt(n, i) for i, n in enumerate([40, 90, 130, 70, 160, 50, 110, 100])]
     solo = [_greedy(make_engine(loaded, retention=conf_kv(0.5)), [p], params)[0] for p in prompts]
     eng = make_engine(loaded, blocks=40, retention=conf_kv(0.5))
+    # Budget reservations at admission would avoid preemption; admit greedily to force replays.
+    eng.scheduler.headroom_for = None
     together = _greedy(eng, prompts, params)
     assert eng.scheduler.num_preemptions > 0
     for a, b in zip(solo, together, strict=True):

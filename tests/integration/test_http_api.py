@@ -9,9 +9,12 @@ ends the server and therefore comes last.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import signal
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -30,7 +33,11 @@ PROMPT_IDS = [504, 3575, 282, 4649, 314]  # PROMPT under SmolLM2's tokenizer (th
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("engine")
-    srv = EngineServer(workdir, "--max-batch-size", "1", "--max-waiting", "1",
+    # Prefill chunks of 32 and a 32-token recent window: the settings of bench/kv_quality.py, so
+    # per-request retention can be compared with the benchmark's in-process values.
+    (workdir / "confkv.json").write_text(json.dumps({"confkv": {"window": 32}}))
+    srv = EngineServer(workdir, "--max-batch-size", "1", "--max-waiting", "1", "--prefill-chunk", "32",
+                       "--config", str(workdir / "confkv.json"),
                        "--grpc-socket", str(workdir / "control.sock"), api_key=API_KEY)
     try:
         srv.wait_ready()
@@ -214,6 +221,39 @@ def test_disconnect_mid_stream_aborts_and_health_answers_while_busy(server: Engi
     server.wait_metric(names.REQUESTS_RUNNING, lambda v: v == 0, deadline_s=30)
     assert server.metrics()['confkv_requests_finished_total{reason="abort"}'] == aborted + 1
     server.wait_metric(names.KV_CACHE_USAGE_RATIO, lambda v: v == 0.0, deadline_s=30)
+
+
+def _kv_quality():
+    """bench/kv_quality.py as a module (the benchmark's own in-process computation)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "kv_quality.py"
+    spec = importlib.util.spec_from_file_location("kv_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_echo_logprobs_under_retention_equal_the_benchmark_in_process(server: EngineServer) -> None:
+    import torch
+
+    from confkv_engine.loader import load_model
+
+    kvq = _kv_quality()
+    loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
+    tokens = kvq.pydoc_tokens(loaded.tokenizer)[:300]
+    cfg = kvq.make_config("conf-kv", 0.5, kvq.build_parser().parse_args([]))
+    ref = kvq.EngineRunner(loaded).run(cfg, tokens)
+    body = {"prompt": tokens, "max_tokens": 0, "echo": True, "logprobs": 1,
+            "kv_policy": "conf-kv", "kv_budget": 0.5}
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    got = torch.tensor(data["choices"][0]["logprobs"]["token_logprobs"][1:], dtype=torch.float64)
+    assert got.shape == ref["logprobs"].shape == (299,)
+    assert torch.allclose(got, ref["logprobs"].double(), atol=1e-4, rtol=0)
+    usage, kv = data["usage"], ref["usage"]
+    assert usage["kv_tokens_discarded"] == kv.tokens_discarded > 0  # the budget really acted
+    assert (usage["kv_tokens_full"], usage["kv_tokens_key_only"]) == (kv.tokens_full, kv.tokens_key_only)
+    assert usage["peak_kv_bytes"] == kv.peak_kv_bytes > 0
 
 
 # ---- bad inputs ------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ def test_budget_target_floor_and_tokens() -> None:
     assert budget_target(ACCT, 20, 0.5, None, protected_tokens=4) == 1000
     assert budget_target(ACCT, 20, 0.1, None, protected_tokens=4) == ACCT.held_bytes(4, 4)
     assert budget_target(ACCT, 20, None, 6, protected_tokens=4) == ACCT.full_bytes(6)
+    # No budget: never below what all 20 tokens hold with their metadata (nothing is forced out).
+    assert budget_target(ACCT, 20, None, None, protected_tokens=0) >= ACCT.held_bytes(20, 20)
 
 
 def test_threshold_tiers_with_and_without_key_only() -> None:

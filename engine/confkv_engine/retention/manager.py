@@ -28,7 +28,7 @@ from . import scorer
 from .compaction import NullBlock, apply_tiers, held_bytes
 from .policies import RetentionConfig
 from .runtime import RetentionState, accounting, decision_interval, shared_blocks
-from .tiers import TierConfig
+from .tiers import TierConfig, budget_target
 
 # Pressure mode: the budget applies while fewer than this fraction of the pool's blocks are free.
 PRESSURE_FREE_FRACTION = 0.1
@@ -82,6 +82,31 @@ class RetentionManager:
         if kv_budget is not None:
             cfg = replace(cfg, budget=kv_budget, budget_tokens=None)
         return cfg
+
+    def reserve_blocks(self, cfg: RetentionConfig, max_len: int) -> int | None:
+        """Pool blocks a sequence under ``cfg`` can ever hold up to ``max_len`` tokens, or None when
+        its budget does not bind (no budget, or one no smaller than the full cache): admission
+        reserves the budget, not the full length. The budget at ``max_len`` (it only grows with the
+        length), in whole blocks, plus one prefill chunk (K and V) appended before the next decision,
+        plus the shared null block for KEY_ONLY."""
+        if cfg.policy == "full" or (cfg.budget is None and cfg.budget_tokens is None):
+            return None
+        acct = accounting(self.cache, cfg)
+        protected = min(max_len, cfg.tiers.sinks + cfg.tiers.window)
+        target = budget_target(acct, max_len, cfg.budget, cfg.budget_tokens, protected)
+        bs, bb = self.cache.spec.block_size, self.cache.spec.block_bytes
+        blocks = -(-target // bb) + 2 * self.interval // bs + (1 if cfg.uses_key_only else 0)
+        return blocks if blocks < self.cache.blocks_for_tokens(max_len) else None
+
+    def headroom(self, seq) -> int | None:
+        """Blocks an engine ``Sequence`` may still take from its reservation (None: not reserved)."""
+        params = seq.params
+        cfg = self.config_for(params.kv_policy, params.kv_budget)
+        reserved = self.reserve_blocks(cfg, seq.prompt_len + params.max_tokens)
+        if reserved is None:
+            return None
+        held = len(seq.kv.k_blocks) + sum(1 for b in seq.kv.v_blocks if b != self.null.id)
+        return max(0, reserved - held)
 
     def new_state(self, cfg: RetentionConfig) -> RetentionState | None:
         if cfg.policy == "full":

@@ -112,8 +112,8 @@ def budget_target(
     floor = acct.held_bytes(protected_tokens, protected_tokens)
     if tokens is not None:
         return max(acct.full_bytes(tokens), floor)
-    if fraction is None:
-        return acct.full_bytes(length) + floor
+    if fraction is None:  # no budget: everything the sequence can hold, metadata included
+        return max(acct.held_bytes(length, length), floor)
     return max(int(fraction * acct.full_bytes(length)), floor)
 
 
