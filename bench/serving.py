@@ -210,6 +210,14 @@ class Bench:
                     names = names[rep % len(names):] + names[:rep % len(names)]  # rotate the order
                     for name in names:
                         self.measure((name, dtype, c), lambda f=peer_map[name], c=c: f(workloads[c], c))
+            self.checkpoint(rep + 1)
+
+    def checkpoint(self, repeats_done: int) -> None:
+        """Write the medians so far after every repeat, so an interrupted run keeps what it measured."""
+        report = self.report()
+        report["repeats_done"] = repeats_done
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(report, indent=2) + "\n")
 
     def report(self) -> dict[str, Any]:
         args = self.args
@@ -275,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     bench.run()
     report = bench.report()
+    report["repeats_done"] = args.repeats
     print_table(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
