@@ -110,7 +110,7 @@ class EngineRunner:
 
         engine_section = {"prefillChunk": CHUNK, "maxNumBatchedTokens": CHUNK, "blockSize": 16}
         config = load_config({"engine": engine_section,
-                              "confkv": {"maxCacheSize": str(64 * 2**20)}})
+                              "confkv": {"maxCacheSize": str(256 * 2**20)}})  # 2,048 fp32 tokens: 90 MiB
         engine = LLMEngine(self.loaded, config, retention=cfg)
         self.count += 1
         rid = f"kvq-{self.count}"
