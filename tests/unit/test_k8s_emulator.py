@@ -17,18 +17,6 @@ from tests.k8s_emulator import JSON_PATCH, MERGE, KubeEmulator, crd_manifest
 CKV_CRD = crd_manifest("confkv.io", "v1alpha1", "ConfKVDeployment", short_names=("ckv",), scale=True)
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[KubeEmulator]:
-    with KubeEmulator() as api:
-        yield api
-
-
-@pytest.fixture
-def api(emulator: KubeEmulator) -> Iterator[KubeEmulator]:
-    emulator.reset()
-    yield emulator
-
-
 @pytest.fixture
 def k8s(api: KubeEmulator) -> Iterator[client.ApiClient]:
     with api.api_client() as api_client:

@@ -17,18 +17,6 @@ from tests.k8s_emulator import ApiError, KubeEmulator, crd_manifest
 from tests.k8s_emulator.watching import Event, Hub
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[KubeEmulator]:
-    with KubeEmulator() as api:
-        yield api
-
-
-@pytest.fixture
-def api(emulator: KubeEmulator) -> Iterator[KubeEmulator]:
-    emulator.reset()
-    yield emulator
-
-
 @pytest.fixture
 def core(api: KubeEmulator) -> Iterator[client.CoreV1Api]:
     with api.api_client() as api_client:
