@@ -11,7 +11,9 @@ is admitted in a step that preempted.
 Sequences with a binding retention budget (``headroom_for`` returns a count for them) are admitted
 against their budget, not their full length: a waiting one is admitted only while the free blocks
 cover its whole reservation plus what running reserved sequences may still take, so those never
-preempt one another. Others keep the greedy rule (first chunk fits, preemption as the fallback).
+preempt one another. Others keep the greedy rule (first chunk fits, preemption as the fallback),
+but never take blocks promised to reserved sequences: they grow only while the free blocks cover
+the promised ones too, and when room is short the victims are unreserved sequences first.
 
 Prefill chunks end at multiples of ``block_size`` (unless they finish the known tokens), so a
 replay after preemption runs the same chunk boundaries and a retention policy acting at
@@ -93,11 +95,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # Blocks still promised to running reserved sequences (by id): others may not take them.
+        promised = {id(s): h for s in self.running if (h := self._headroom(s)) is not None}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self.chunk_size(seq, budget)
-            if n and self._make_room(seq, n, out):
+            if n and self._make_room(seq, n, out, promised):
+                if id(seq) in promised:
+                    promised[id(seq)] = max(0, promised[id(seq)] - self.cache.blocks_needed(seq.kv, n))
                 self.cache.reserve(seq.kv, n)
                 out.scheduled.append((seq, n))
                 budget -= n
@@ -108,18 +114,27 @@ class Scheduler:
         out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: decode rows first
         return out
 
-    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Preempt from the tail of ``running`` until ``seq`` can grow by n; False if seq itself went."""
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput, promised: dict[int, int]) -> bool:
+        """Preempt until ``seq`` can grow by n; False if seq itself went. A sequence without a
+        reservation must also leave the blocks promised to reserved ones, and the victims are the
+        most recently admitted sequences without a reservation first, so reserved sequences are
+        never preempted to make room for others."""
         pool = self.cache.pool
-        while not pool.can_allocate(self.cache.blocks_needed(seq.kv, n)):
-            victim = self.running[-1]
+        while True:
+            hold_back = 0 if id(seq) in promised else sum(promised.values())
+            if pool.can_allocate(self.cache.blocks_needed(seq.kv, n) + hold_back):
+                return True
+            # Only sequences not yet scheduled this step (seq and those after it) can go.
+            later = self.running[self.running.index(seq):]
+            unreserved = [s for s in later if id(s) not in promised]
+            victim = unreserved[-1] if unreserved else later[-1]
+            promised.pop(id(victim), None)
             self.requeue_front(victim)
             victim.num_preemptions += 1
             self.num_preemptions += 1
             out.preempted.append(victim)
             if victim is seq:
                 return False
-        return True
 
     def _headroom(self, seq: Sequence) -> int | None:
         return self.headroom_for(seq) if self.headroom_for is not None else None

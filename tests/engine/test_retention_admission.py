@@ -121,3 +121,19 @@ def trajectory(eng: LLMEngine, seen: list[bool] | None = None) -> list[tuple[int
             pressed = seen is not None and any(seen[before:]) and seq.num_computed % CHUNK == 0
             out.append((eng.retention.held_bytes(seq.kv, seq.policy_state), pressed))
     return out
+
+
+def test_requests_without_a_budget_never_take_blocks_promised_to_budgeted_ones(loaded) -> None:
+    probe = make_engine(loaded)
+    need, full_blocks = reservation(probe), probe.cache.blocks_for_tokens(PROMPT + GEN)
+    # The full-cache request starts first; the budgeted one is admitted against its reservation.
+    # Without the hold-back the full request would grow into the promised blocks and the budgeted
+    # request (the most recently admitted) would be the one preempted.
+    eng = make_engine(loaded, blocks=need + full_blocks - 8)
+    eng.add_request("full", prompt(PROMPT, 1), params())
+    eng.add_request("conf", prompt(PROMPT, 2), budgeted())
+    final, most = run(eng)
+    assert most == 2
+    assert final["conf"].num_preemptions == 0
+    assert final["full"].num_preemptions >= 1
+    assert all(len(o.output_token_ids) == GEN for o in final.values())
