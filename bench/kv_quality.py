@@ -68,9 +68,11 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
                 mode: str | None = None) -> RetentionConfig:
     decay = args.h2o_decay if policy == "h2o" else args.decay
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
-                              decay=decay, scale=args.scale)
+                              decay=decay, scale=args.scale,
+                              pool=args.pool if policy.startswith("conf-kv") else 1)
     tiers = TierConfig(high=args.high, medium=args.medium, sinks=4, window=args.window,
-                       window_fraction=args.window_fraction, key_share=args.key_share)
+                       window_fraction=args.window_fraction, key_share=args.key_share,
+                       granularity=args.granularity if policy.startswith("conf-kv") else "head")
     return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f)
 
 
@@ -213,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sampling-weight", type=float, default=ScorerConfig.sampling_weight)
     ap.add_argument("--decay", type=float, default=ScorerConfig.decay)
     ap.add_argument("--scale", type=float, default=ScorerConfig.scale)
+    ap.add_argument("--pool", type=int, default=ScorerConfig.pool)
+    ap.add_argument("--granularity", default=TierConfig.granularity, help="conf-kv: head | layer | token")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/kv_quality[_quick|_tune].json)")
     ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",

@@ -175,6 +175,7 @@ class PagedAttention:
         hkv = blocks.shape[2]
         keys = blocks.index_select(0, self.dec_k_table).view(b, self.dec_width, hkv, d).transpose(1, 2)
         vals = blocks.index_select(0, self.dec_v_table).view(b, self.dec_width, hkv, d).transpose(1, 2)
+        vals = self._decode_values(layer, vals)
         if self.dec_lens_lh is None:
             mask = self.dec_mask
         else:
@@ -190,6 +191,7 @@ class PagedAttention:
         hkv, g = blocks.shape[2], self.group
         keys = blocks.index_select(0, p.k_table).view(-1, hkv, d)[: p.ctx].transpose(0, 1)[None]
         vals = blocks.index_select(0, p.v_table).view(-1, hkv, d)[: p.ctx].transpose(0, 1)[None]
+        vals = self._prefill_values(layer, p, vals)
         mask = p.mask
         if mask is None:  # per-(layer, head) counts: [1, Hkv, G*T, ctx]
             limit = p.before[layer][:, None] + torch.arange(t, device=q.device)[None, :]  # [Hkv, T]
@@ -198,6 +200,14 @@ class PagedAttention:
         qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
         out = self._sdpa(qg, keys, vals, mask)  # [1, Hkv, G*T, D]
         return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+
+    # Hooks for a subclass that stands in for some values (retention's KEY_ONLY tier); the tensors
+    # are fresh gathers, so they may be written in place.
+    def _decode_values(self, layer: int, vals: Tensor) -> Tensor:  # [B, Hkv, S, D]
+        return vals
+
+    def _prefill_values(self, layer: int, p: _Prefill, vals: Tensor) -> Tensor:  # [1, Hkv, ctx, D]
+        return vals
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         if self.upcast:

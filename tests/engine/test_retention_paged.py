@@ -88,15 +88,7 @@ def test_key_only_tier_frees_values(model, cache) -> None:
     from confkv_engine.retention.backend import RetentionAttention
 
     backend, seq, state = RetentionAttention(cache, 4), SeqKV(), manager.new_state(cfg)
-    toks = _tokens(160)
-    with torch.inference_mode():
-        for start in range(0, 160, CHUNK):
-            cache.reserve(seq, CHUNK)
-            pos = torch.arange(start, start + CHUNK)
-            backend.begin_step([seq], [CHUNK], pos, [state])
-            model(torch.tensor(toks[start:start + CHUNK]), pos, backend)
-            backend.end_step()
-            manager.after_step(seq, state, start + CHUNK)
+    _run_chunks(model, cache, manager, backend, seq, state, _tokens(160))
     full, key_only, discarded = state.tier_counts(160)
     assert (full, key_only, discarded) == (4 + CHUNK, 160 - 4 - CHUNK, 0)
     nulls = sum(b == manager.null.id for b in seq.v_blocks)
@@ -116,3 +108,117 @@ def test_null_block_survives_sequences_that_end(model, cache) -> None:
         run_sequence(model, cache, manager, cfg, _tokens(128, seed), CHUNK)
         assert cache.pool.ref_count(manager.null.id) == 1
     assert cache.pool.num_free == cache.pool.num_blocks - 1
+
+
+def _run_chunks(model, cache, manager, backend, seq, state, toks: list[int]) -> None:
+    """Feed ``toks`` in chunks of CHUNK through the retention backend, the policy after each."""
+    with torch.inference_mode():
+        for start in range(0, len(toks), CHUNK):
+            cache.reserve(seq, CHUNK)
+            pos = torch.arange(start, start + CHUNK)
+            backend.begin_step([seq], [CHUNK], pos, [state])
+            model(torch.tensor(toks[start:start + CHUNK]), pos, backend)
+            backend.end_step()
+            manager.after_step(seq, state, start + CHUNK)
+
+
+class _RecordingDense(DenseAttention):
+    """Dense reference that also keeps each layer's attention probabilities, summed per KV head."""
+
+    def __init__(self, group: int) -> None:
+        super().__init__()
+        self.group, self.probs = group, {}
+
+    def attend(self, layer, q, k, v):
+        out = super().attend(layer, q, k, v)
+        keys = self.keys[layer].float().repeat_interleave(self.group, dim=1)
+        s = keys.shape[0]
+        scores = torch.einsum("thd,shd->hts", q.float(), keys) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1)[None], float("-inf"))
+        self.probs[layer] = scores.softmax(-1).view(-1, self.group, s, s).sum(1)  # [Hkv, T, S]
+        return out
+
+
+def test_signal_recomputed_at_decision_points_equals_every_query(model, cache) -> None:
+    # The fused forward records queries; score_pending recomputes their probabilities at each
+    # decision point. The accumulators must equal folding every query of a dense reference.
+    from confkv_engine.kv_cache import SeqKV
+    from confkv_engine.retention.backend import RetentionAttention
+
+    n, decay = 192, 0.97
+    cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=0.01, medium=0.0, window=CHUNK),
+                          scorer=ScorerConfig(decay=decay))
+    manager = RetentionManager(cache, 4, cfg, CHUNK)
+    backend, seq, state = RetentionAttention(cache, 4), SeqKV(), manager.new_state(cfg)
+    _run_chunks(model, cache, manager, backend, seq, state, _tokens(n))
+    ref = _RecordingDense(group=2)
+    with torch.inference_mode():
+        model(torch.tensor(_tokens(n)), torch.arange(n), ref)
+    weights = decay ** torch.arange(n - 1, -1, -1, dtype=torch.float64)  # query i weighs lam^(t - i)
+    visible = torch.ones(n, n, dtype=torch.float64).tril()  # [T, S]
+    for layer in range(2):
+        acc = torch.einsum("t,hts->hs", weights, ref.probs[layer].double())
+        torch.testing.assert_close(state.acc[layer].double(), acc, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(state.norm[layer].double(), (weights @ visible).expand(2, n), atol=1e-6,
+                                   rtol=1e-6)
+    assert state.take_queries() is None  # the ring was emptied at the last decision point
+    cache.free(seq)
+
+
+class _KeptCacheReference:
+    """Attends a decode token over exactly what the sequence keeps: each unit's kept keys, the
+    values of FULL slots and the merged mean for KEY_ONLY slots (explicit softmax, no paging)."""
+
+    def __init__(self, cache, seq, state) -> None:
+        idx_k = cache.slot_index(seq.k_blocks, torch.arange(state.num_slots))
+        idx_v = cache.slot_index(seq.v_blocks, torch.arange(state.num_slots))
+        self.k = [cache.kv_flat[layer, idx_k].clone() for layer in range(cache.spec.num_layers)]
+        self.v = [cache.kv_flat[layer, idx_v].clone() for layer in range(cache.spec.num_layers)]
+        for layer, v in enumerate(self.v):
+            v[: state.n_key] = state.v_mean[layer][None]
+
+    def attend(self, layer, q, k, v):
+        from confkv_engine.model import dense_causal_attention
+
+        return dense_causal_attention(q, torch.cat([self.k[layer], k]), torch.cat([self.v[layer], v]))
+
+
+def test_key_only_stand_in_through_the_fused_path_matches_explicit_reference(model, cache) -> None:
+    from confkv_engine.kv_cache import SeqKV
+    from confkv_engine.retention.backend import RetentionAttention
+
+    cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=1.0, medium=0.0, sinks=4, window=CHUNK))
+    manager = RetentionManager(cache, 4, cfg, CHUNK)
+    backend, seq, state = RetentionAttention(cache, 4), SeqKV(), manager.new_state(cfg)
+    _run_chunks(model, cache, manager, backend, seq, state, _tokens(160))
+    assert state.n_key == 160 - 4 - CHUNK and float(state.v_mean.abs().sum()) > 0
+    token, pos = torch.tensor([7]), torch.tensor([160])
+    with torch.inference_mode():
+        expected = model.compute_logits(model(token, pos, _KeptCacheReference(cache, seq, state)))
+        cache.reserve(seq, 1)
+        backend.begin_step([seq], [1], pos, [state])
+        got = model.compute_logits(model(token, pos, backend))
+        backend.end_step()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    cache.free(seq)
+
+
+@pytest.mark.parametrize("granularity", ["layer", "token"])
+def test_coarser_granularity_keeps_the_same_tokens_across_units(model, cache, granularity: str) -> None:
+    from confkv_engine.kv_cache import SeqKV
+    from confkv_engine.retention.backend import RetentionAttention
+
+    tiers = TierConfig(window=CHUNK, granularity=granularity)
+    cfg = RetentionConfig(policy="conf-kv", tiers=tiers, budget=0.25)
+    manager = RetentionManager(cache, 4, cfg, CHUNK)
+    backend, seq, state = RetentionAttention(cache, 4), SeqKV(), manager.new_state(cfg)
+    _run_chunks(model, cache, manager, backend, seq, state, _tokens(256))
+    assert state.tier_counts(256)[2] > 0  # tokens were discarded
+    same = state.pos[:, :1] if granularity == "layer" else state.pos[:1, :1]
+    assert torch.equal(state.pos, same.expand_as(state.pos))
+    head_cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(window=CHUNK), budget=0.25)
+    other, seq2 = manager.new_state(head_cfg), SeqKV()
+    cache.free(seq)
+    _run_chunks(model, cache, RetentionManager(cache, 4, head_cfg, CHUNK), backend, seq2, other, _tokens(256))
+    assert not torch.equal(other.pos, other.pos[:1, :1].expand_as(other.pos))  # per head: they differ
+    cache.free(seq2)

@@ -97,3 +97,14 @@ def test_scorer_config_rejects_bad_values() -> None:
         ScorerConfig(decay=0.0)
     with pytest.raises(ValueError, match="mode"):
         ScorerConfig(mode="magic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pool"):
+        ScorerConfig(pool=4)
+
+
+def test_pool_signal_keeps_neighbours_of_a_peak() -> None:
+    att = torch.tensor([[0.0, 0.0, 0.9, 0.0, 0.0, 0.1, 0.0], [0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2]])
+    pooled = scorer.pool_signal(att, 3)
+    expected = torch.tensor([[0.0, 0.9, 0.9, 0.9, 0.1, 0.1, 0.1], [0.3, 0.3, 0.0, 0.0, 0.0, 0.2, 0.2]])
+    torch.testing.assert_close(pooled, expected)
+    assert torch.equal(scorer.pool_signal(att, 1), att)
+    assert scorer.pool_signal(torch.zeros(2, 0), 5).shape == (2, 0)

@@ -138,3 +138,15 @@ def test_shared_demotion_keeps_a_key_only_share() -> None:
     f, k = fit_counts_shared(0, 10, 0, 16, acct, share=0.5)
     assert (f, k) == (6, 4) and acct.held_bytes(f + k, f) <= 16
     assert fit_counts_shared(0, 10, 0, 100, acct, share=0.5) == (10, 0)  # fits: nothing moves
+
+
+def test_share_confidence_by_granularity() -> None:
+    from confkv_engine.retention.tiers import share_confidence
+
+    conf = torch.tensor([[0.1, 0.9], [0.3, 0.5], [0.6, 0.0], [0.2, 0.4]])  # 2 layers x 2 heads
+    assert torch.equal(share_confidence(conf, "head", 2), conf)
+    torch.testing.assert_close(share_confidence(conf, "layer", 2),
+                               torch.tensor([[0.2, 0.7], [0.2, 0.7], [0.4, 0.2], [0.4, 0.2]]))
+    torch.testing.assert_close(share_confidence(conf, "token", 2), torch.tensor([[0.3, 0.45]]).expand(4, 2))
+    with pytest.raises(ValueError, match="granularity"):
+        TierConfig(granularity="block")

@@ -25,10 +25,11 @@ from confkv_api.config import ConfKVSection
 from ..kv_cache import KVCache, SeqKV
 from ..outputs import KVUsage
 from . import scorer
+from .backend import score_pending
 from .compaction import NullBlock, apply_tiers, held_bytes
 from .policies import RetentionConfig
 from .runtime import RetentionState, accounting, decision_interval, shared_blocks
-from .tiers import TierConfig, budget_target
+from .tiers import TierConfig, budget_target, is_decision_point
 
 # Pressure mode: the budget applies while fewer than this fraction of the pool's blocks are free.
 PRESSURE_FREE_FRACTION = 0.1
@@ -162,6 +163,8 @@ class RetentionManager:
         if state is None:
             return 0
         state.peak_bytes = max(state.peak_bytes, self.held_bytes(seq, state))
+        if is_decision_point(num_computed, self.interval):
+            score_pending(self.cache, seq, state)  # before the policy reads the accumulators
         if shared_blocks(self.cache, seq, self.null.id):
             return 0  # prefix-cache rule: shared/hashed blocks are immutable
         new = state.decide(num_computed, self.under_pressure())

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import scorer
-from .tiers import KVAccounting, Tier, TierConfig, decide_tiers
+from .tiers import KVAccounting, Tier, TierConfig, decide_tiers, share_confidence
 
 POLICY_NAMES = ("full", "streaming", "h2o", "conf-kv", "conf-kv-discard")
 
@@ -79,6 +79,7 @@ class SlotView:
     prev_length: int
     group: int
     prev_window: int | None = None
+    heads: int = 1  # KV heads per layer (units are ordered layer-major)
 
 
 def tokens_that_fit(target: int, acct: KVAccounting) -> int:
@@ -118,6 +119,7 @@ def select_h2o(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target:
 
 def select_conf_kv(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
     conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer)
+    conf = share_confidence(conf, cfg.tiers.granularity, view.heads)
     key_only = cfg.tiers.key_only and cfg.policy == "conf-kv"
     tier_cfg = replace(cfg.tiers, window=cfg.recent_window(acct, target), key_only=key_only)
     return decide_tiers(view.pos, view.tiers, conf, view.length, view.prev_length, tier_cfg, acct, target,

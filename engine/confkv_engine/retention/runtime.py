@@ -2,8 +2,9 @@
 
 ``RetentionState`` mirrors, for each K slot of every unit (layer, KV head), the token's absolute
 position, its tier and its attention accumulators, plus the per-position sampling confidence and
-the per-unit merged value of KEY_ONLY tokens. The backend (``backend.RetentionAttention``) feeds
-it the attention probabilities of every layer; ``after_step`` applies the policy at decision
+the per-unit merged value of KEY_ONLY tokens. The backend (``backend.RetentionAttention``) records
+each step's queries and ``backend.score_pending`` feeds the attention probabilities of every layer
+at decision points; ``after_step`` applies the policy at decision
 points and rewrites the sequence's slots.
 
 Slot layout once KEY_ONLY exists (every unit has the same counts, so tables stay rectangular):
@@ -69,6 +70,8 @@ class RetentionState:
     peak_bytes: int = 0
     first_eviction: int | None = None  # length at the first decision that changed a tier
     prev_window: int | None = None  # recent window at the previous decision
+    q_ring: list[list[Tensor]] = field(default_factory=list)  # per layer: queries since the last decision
+    q_ring_pos: list[Tensor] = field(default_factory=list)  # their positions, one tensor per step
 
     def __post_init__(self) -> None:
         shape = (self.num_layers, self.num_kv_heads, 0)
@@ -79,6 +82,7 @@ class RetentionState:
         self.v_mean = torch.zeros(self.num_layers, self.num_kv_heads, self.head_dim)
         self.v_weight = torch.zeros(self.num_layers, self.num_kv_heads)
         self.last_query = [-1] * self.num_layers
+        self.q_ring = [[] for _ in range(self.num_layers)]
 
     @property
     def num_slots(self) -> int:
@@ -102,6 +106,24 @@ class RetentionState:
         self.tiers = torch.cat([self.tiers, torch.zeros(lh, dtype=torch.int8)], -1)
         self.acc = torch.cat([self.acc, torch.zeros(lh)], -1)
         self.norm = torch.cat([self.norm, torch.zeros(lh)], -1)
+        if self.wants_probs:
+            self.q_ring_pos.append(positions.cpu().long())
+
+    def on_queries(self, layer: int, q: Tensor) -> None:
+        """Post-RoPE queries [T, Hq, D] of this step at ``layer``, scored at the next decision."""
+        self.q_ring[layer].append(q.detach().clone())
+
+    def take_queries(self) -> tuple[list[Tensor], Tensor] | None:
+        """The recorded queries (per layer [T, Hq, D]) and positions [T]; empties the ring."""
+        if not self.q_ring_pos:
+            return None
+        pos = torch.cat(self.q_ring_pos)
+        if any(sum(x.shape[0] for x in ring) != pos.numel() for ring in self.q_ring):
+            raise RuntimeError("query ring out of step with the appended positions")
+        out = [torch.cat(ring) for ring in self.q_ring]
+        self.q_ring = [[] for _ in range(self.num_layers)]
+        self.q_ring_pos = []
+        return out, pos
 
     def on_attention(self, layer: int, probs: Tensor, query_pos: Tensor) -> None:
         """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer."""
@@ -133,7 +155,7 @@ class RetentionState:
         return SlotView(pos=self.pos.reshape(-1, n), tiers=self.tiers.reshape(-1, n),
                         acc=self.acc.reshape(-1, n), norm=self.norm.reshape(-1, n),
                         c_samp=c[self.pos].reshape(-1, n), length=length, prev_length=self.prev_decision,
-                        group=self.group, prev_window=self.prev_window)
+                        group=self.group, prev_window=self.prev_window, heads=self.num_kv_heads)
 
     def target_bytes(self, length: int, under_pressure: bool) -> int:
         cfg = self.cfg

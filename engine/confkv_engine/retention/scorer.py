@@ -53,6 +53,9 @@ class ScorerConfig:
     sampling_kind: SamplingKind = "surprise"
     decay: float = 0.99
     scale: float = 0.3
+    # Max-pool the attention signal over this many neighbouring slots (1: off). Keeps the
+    # neighbours of a heavily attended token, so spans survive rather than isolated tokens.
+    pool: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("attention", "sampling", "combined"):
@@ -65,6 +68,8 @@ class ScorerConfig:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if self.scale <= 0:
             raise ValueError(f"scale must be > 0, got {self.scale}")
+        if self.pool < 1 or self.pool % 2 == 0:
+            raise ValueError(f"pool must be an odd number >= 1, got {self.pool}")
 
     @property
     def effective_weight(self) -> float:
@@ -131,6 +136,13 @@ def attention_signal(acc: Tensor, norm: Tensor) -> Tensor:
     return torch.where(norm > 0, acc / norm.clamp_min(1e-30), torch.zeros_like(acc))
 
 
+def pool_signal(att: Tensor, kernel: int) -> Tensor:
+    """Max over each slot and its ``kernel // 2`` neighbours on either side, per unit ([U, S])."""
+    if kernel <= 1 or att.shape[-1] == 0:
+        return att
+    return torch.nn.functional.max_pool1d(att[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+
+
 def attention_confidence(att: Tensor, context_len: int, group: int, scale: float = 1.0) -> Tensor:
     """c_att = 1 - exp(-att * L / (G * scale)): attention relative to uniform, squashed into [0, 1]."""
     ratio = att * (context_len / (group * scale))
@@ -151,5 +163,6 @@ def confidence(
     acc: Tensor, norm: Tensor, c_samp: Tensor, context_len: int, group: int, config: ScorerConfig
 ) -> Tensor:
     """Combined retention confidence for [U, S] cached keys; ``c_samp`` [S] or [U, S]."""
-    c_att = attention_confidence(attention_signal(acc, norm), context_len, group, config.scale)
+    att = pool_signal(attention_signal(acc, norm), config.pool)
+    c_att = attention_confidence(att, context_len, group, config.scale)
     return combine(c_att, c_samp, config).clamp(0.0, 1.0)

@@ -65,6 +65,21 @@ class KVAccounting:
         return 2 * self.blocks(length) * self.half_block_bytes
 
 
+GRANULARITIES = ("head", "layer", "token")
+
+
+def share_confidence(conf: Tensor, granularity: str, heads: int) -> Tensor:
+    """conf [U, n] with units ordered (layer, head): averaged so that every head of a layer
+    ("layer") or every unit ("token") ranks its slots alike. Their slots hold the same positions
+    in the same order as long as the sequence always used this granularity."""
+    if granularity == "head" or conf.numel() == 0:
+        return conf
+    u, n = conf.shape
+    if granularity == "layer":
+        return conf.view(u // heads, heads, n).mean(1, keepdim=True).expand(-1, heads, -1).reshape(u, n)
+    return conf.mean(0, keepdim=True).expand(u, n)
+
+
 @dataclass(frozen=True)
 class TierConfig:
     high: float = 0.9
@@ -79,6 +94,10 @@ class TierConfig:
     # by the thresholds, is discarded first). A share s: the lowest FULL token goes to KEY_ONLY while
     # KEY_ONLY holds less than s of the kept candidates, otherwise the lowest KEY_ONLY is discarded.
     key_share: float | None = None
+    # Who chooses its own tokens: every (layer, KV head) unit ("head"), every layer with its heads
+    # alike ("layer", confidence averaged over the heads), or the sequence ("token", averaged over
+    # all units). Measured in docs/retention.md (Granularity).
+    granularity: str = "head"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.medium < self.high <= 1.0:
@@ -87,6 +106,9 @@ class TierConfig:
             raise ValueError(f"sinks must be >= 0 and window >= 1, got {self.sinks}, {self.window}")
         if self.key_share is not None and not 0.0 < self.key_share < 1.0:
             raise ValueError(f"key_share must be in (0, 1), got {self.key_share}")
+        if self.granularity not in GRANULARITIES:
+            choices = ", ".join(GRANULARITIES)
+            raise ValueError(f"granularity must be one of {choices}, got {self.granularity!r}")
         if not 0.0 <= self.window_fraction < 1.0:
             raise ValueError(f"window_fraction must be in [0, 1), got {self.window_fraction}")
 
