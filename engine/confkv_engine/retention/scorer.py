@@ -51,7 +51,7 @@ class ScorerConfig:
     mode: ScoreMode = "attention"
     sampling_weight: float = 0.2  # used by mode='combined' only
     sampling_kind: SamplingKind = "surprise"
-    decay: float = 0.99
+    decay: float = 0.999
     scale: float = 0.3
     # Max-pool the attention signal over this many neighbouring slots (1: off). Keeps the
     # neighbours of a heavily attended token, so spans survive rather than isolated tokens.
