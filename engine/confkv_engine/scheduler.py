@@ -110,7 +110,7 @@ class Scheduler:
             if seq in self.running:  # still there (not preempted itself)
                 i += 1
         if not out.preempted:
-            budget = self._admit(out, budget)
+            budget = self._admit(out, budget, sum(promised.values()))
         out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: decode rows first
         return out
 
@@ -139,9 +139,9 @@ class Scheduler:
     def _headroom(self, seq: Sequence) -> int | None:
         return self.headroom_for(seq) if self.headroom_for is not None else None
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int, promised: int) -> int:
+        """Admit waiting sequences; ``promised``: blocks running reservations may still take."""
         pool = self.cache.pool
-        promised = sum(h or 0 for h in map(self._headroom, self.running))
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             n = self.chunk_size(seq, budget)

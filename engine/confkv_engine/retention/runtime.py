@@ -4,8 +4,7 @@
 position, its tier and its attention accumulators, plus the per-position sampling confidence and
 the per-unit merged value of KEY_ONLY tokens. The backend (``backend.RetentionAttention``) records
 each step's queries and ``backend.score_pending`` feeds the attention probabilities of every layer
-at decision points; ``after_step`` applies the policy at decision
-points and rewrites the sequence's slots.
+at decision points, where ``after_step`` then applies the policy and rewrites the sequence's slots.
 
 Slot layout once KEY_ONLY exists (every unit has the same counts, so tables stay rectangular):
 K slots ``[0, n_key)`` hold KEY_ONLY keys, ``[n_key, n)`` FULL keys (sinks and window included),
@@ -70,7 +69,7 @@ class RetentionState:
     peak_bytes: int = 0
     first_eviction: int | None = None  # length at the first decision that changed a tier
     prev_window: int | None = None  # recent window at the previous decision
-    q_ring: list[list[Tensor]] = field(default_factory=list)  # per layer: queries since the last decision
+    q_ring: list[list[Tensor]] = field(init=False)  # per layer: queries since the last decision
     q_ring_pos: list[Tensor] = field(default_factory=list)  # their positions, one tensor per step
 
     def __post_init__(self) -> None:
