@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests.drivers (the offline runner)
 for sub in ("api", "engine"):
     sys.path.insert(0, str(ROOT / sub))
 
@@ -80,7 +81,7 @@ class OfflineRunner:
     """Drives each window through the paged cache with ``run_sequence`` (no scheduler)."""
 
     def __init__(self, loaded) -> None:
-        from confkv_engine.kv_cache import CacheSpec, KVCache
+        from confkv_engine.cache.kv_cache import CacheSpec, KVCache
 
         a = loaded.model.args
         spec = CacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, 16, torch.float32, torch.device("cpu"))
@@ -89,7 +90,7 @@ class OfflineRunner:
 
     def run(self, cfg: RetentionConfig, tokens: list[int]) -> dict:
         from confkv_engine.retention.manager import RetentionManager
-        from confkv_engine.retention.offline import run_sequence
+        from tests.drivers.offline import run_sequence
 
         manager = RetentionManager(self.cache, self.loaded.model.args.num_heads, cfg, CHUNK)
         out = run_sequence(self.loaded.model, self.cache, manager, cfg, tokens, CHUNK)
@@ -107,8 +108,8 @@ class EngineRunner:
 
     def run(self, cfg: RetentionConfig, tokens: list[int]) -> dict:
         from confkv_api.config import load_config
-        from confkv_engine.engine import LLMEngine
-        from confkv_engine.sampling_params import SamplingParams
+        from confkv_engine.core.engine import LLMEngine
+        from confkv_engine.core.sampling_params import SamplingParams
 
         engine_section = {"prefillChunk": CHUNK, "maxNumBatchedTokens": CHUNK, "blockSize": 16}
         config = load_config({"engine": engine_section,
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else RESULTS / f"kv_quality{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    from confkv_engine.loader import load_model
+    from confkv_engine.model.loader import load_model
 
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
     loaded.model.eval()

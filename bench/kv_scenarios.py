@@ -40,8 +40,8 @@ SIZES = {  # scenario -> (full size, quick size)
 
 def make_engine(loaded, cfg, blocks: int | None = None, batched: int = CHUNK):
     from confkv_api.config import load_config
-    from confkv_engine.engine import LLMEngine
-    from confkv_engine.kv_cache import CacheSpec
+    from confkv_engine.cache.kv_cache import CacheSpec
+    from confkv_engine.core.engine import LLMEngine
 
     a = loaded.model.args
     spec = CacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, 16, torch.float32, torch.device("cpu"))
@@ -53,7 +53,7 @@ def make_engine(loaded, cfg, blocks: int | None = None, batched: int = CHUNK):
 
 
 def greedy(max_tokens: int):
-    from confkv_engine.sampling_params import SamplingParams
+    from confkv_engine.core.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -136,7 +136,7 @@ SCENARIOS = {"long": scenario_long, "concurrency": scenario_concurrency, "overhe
 def run_scenario(args: argparse.Namespace) -> int:
     import os
 
-    from confkv_engine.loader import load_model
+    from confkv_engine.model.loader import load_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")

@@ -57,7 +57,7 @@ def increase(lp: torch.Tensor, full: torch.Tensor, half: bool) -> float:
 
 
 def main() -> int:
-    from confkv_engine.loader import load_model
+    from confkv_engine.model.loader import load_model
 
     torch.set_num_threads(1)
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")

@@ -137,8 +137,8 @@ class Bench:
               f"wall {result.wall_s:6.1f}s", flush=True)
 
     def run(self) -> None:
-        from confkv_engine.engine import LLMEngine
-        from confkv_engine.loader import builtin_path, load_model
+        from confkv_engine.core.engine import LLMEngine
+        from confkv_engine.model.loader import builtin_path, load_model
 
         args = self.args
         torch.set_num_threads(args.threads)

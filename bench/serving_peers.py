@@ -234,7 +234,7 @@ def max_weight_diff(loaded: Any, hf: torch.nn.Module) -> float:
 
 def max_logit_diff(loaded: Any, hf: torch.nn.Module, prompt: list[int]) -> float:
     """Same weights check: |ours - transformers| over the prompt's logits (dense reference attention)."""
-    from confkv_engine.model import DenseAttention
+    from confkv_engine.model.llama import DenseAttention
 
     ids = torch.tensor(prompt)
     with torch.inference_mode():
@@ -317,7 +317,7 @@ def torch_threads(n: int) -> Iterator[None]:
 def run_inprocess(engine: Any, reqs: Sequence[Req], concurrency: int) -> RunResult:
     """The same closed loop driven through ``LLMEngine.add_request``/``step`` (no HTTP, no asyncio):
     what the engine core delivers; the gap to the HTTP numbers is the serving overhead."""
-    from confkv_engine.sampling_params import SamplingParams
+    from confkv_engine.core.sampling_params import SamplingParams
 
     pending = list(reqs)[::-1]
     started: dict[str, tuple[float, int]] = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from confkv_engine.gguf_loader import permute_rows
+from confkv_engine.model.gguf_loader import permute_rows
 from tests.engine.tiny_models import byte_level_tokenizer
 
 Q = gguf.GGMLQuantizationType

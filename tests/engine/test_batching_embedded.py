@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from confkv_api.config import ConfKVConfig
-from confkv_engine.engine import LLMEngine
-from confkv_engine.loader import LoadedModel, load_model
-from confkv_engine.sampling_params import SamplingParams
+from confkv_engine.core.engine import LLMEngine
+from confkv_engine.core.sampling_params import SamplingParams
+from confkv_engine.model.loader import LoadedModel, load_model
 
 torch.set_num_threads(1)
 

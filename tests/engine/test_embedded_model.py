@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv_engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from confkv_engine.model import DenseAttention
-from confkv_engine.weights import ModelLoadError
+from confkv_engine.model.llama import DenseAttention
+from confkv_engine.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from confkv_engine.model.weights import ModelLoadError
 
 torch.set_num_threads(1)
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from confkv_api.config import ConfKVConfig
-from confkv_engine.engine import LLMEngine
-from confkv_engine.loader import load_model
-from confkv_engine.model import DenseAttention
-from confkv_engine.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.core.engine import LLMEngine
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.model.llama import DenseAttention
+from confkv_engine.model.loader import load_model
 from tests.engine.tiny_models import make_tiny_hf_model
 
 pytest.importorskip("transformers")

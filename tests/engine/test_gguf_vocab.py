@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from confkv_engine.tokenizer import Tokenizer
+from confkv_engine.model.tokenizer import Tokenizer
 
 PIECES = [
     "▁", "▁t", "he", "▁the", "in", "▁in", "ing", "▁a", "th", "▁th", "er", "▁b", "at", "▁bat", "▁bath",

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from confkv_engine.gguf_loader import dequantize, open_gguf, permute_rows, unpermute_rows
-from confkv_engine.gguf_reader import read_gguf
-from confkv_engine.loader import load_model
-from confkv_engine.weights import ModelLoadError
+from confkv_engine.model.gguf_loader import dequantize, open_gguf, permute_rows, unpermute_rows
+from confkv_engine.model.gguf_reader import read_gguf
+from confkv_engine.model.loader import load_model
+from confkv_engine.model.weights import ModelLoadError
 from tests.engine.gguf_fixtures import pack_q4_k, pack_q5_k, pack_q6_k, write_gguf, write_raw_tensor
 from tests.engine.tiny_models import (
     byte_level_tokenizer,

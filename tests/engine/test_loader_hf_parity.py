@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from confkv_engine.hf_loader import weight_files
-from confkv_engine.loader import load_model
-from confkv_engine.weights import ModelLoadError
+from confkv_engine.model.hf_loader import weight_files
+from confkv_engine.model.loader import load_model
+from confkv_engine.model.weights import ModelLoadError
 from tests.engine.tiny_models import ARCHS, dense_logits, hf_greedy_reference, make_tiny_hf_model
 
 pytest.importorskip("transformers")

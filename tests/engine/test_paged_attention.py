@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv_engine.kv_cache import CacheSpec, KVCache, SeqKV
-from confkv_engine.model import dense_causal_attention
-from confkv_engine.paged_attention import PagedAttention
+from confkv_engine.attention.paged import PagedAttention
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
+from confkv_engine.model.llama import dense_causal_attention
 
 L, HQ, HKV, D, BS = 2, 6, 2, 8, 4
 

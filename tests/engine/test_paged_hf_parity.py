@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from confkv_api.config import ConfKVConfig
-from confkv_engine.engine import LLMEngine
-from confkv_engine.kv_cache import CacheSpec, KVCache, SeqKV
-from confkv_engine.loader import load_model
-from confkv_engine.paged_attention import PagedAttention
-from confkv_engine.sampling_params import SamplingParams
+from confkv_engine.attention.paged import PagedAttention
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
+from confkv_engine.core.engine import LLMEngine
+from confkv_engine.core.sampling_params import SamplingParams
+from confkv_engine.model.loader import load_model
 from tests.engine.tiny_models import ARCHS, hf_greedy_reference, make_tiny_hf_model
 
 pytest.importorskip("transformers")

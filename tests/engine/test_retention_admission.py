@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv_engine.engine import LLMEngine
-from confkv_engine.loader import load_model
-from confkv_engine.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.core.engine import LLMEngine
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.model.loader import load_model
 from tests.engine.test_retention_engine import CHUNK, make_engine, prompt
 from tests.engine.tiny_models import make_tiny_hf_model
 

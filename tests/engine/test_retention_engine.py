@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from confkv_api.config import ConfKVConfig
-from confkv_engine.engine import LLMEngine
-from confkv_engine.loader import load_model
+from confkv_engine.core.engine import LLMEngine
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.model.loader import load_model
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.tiers import TierConfig
-from confkv_engine.sampling_params import InvalidRequest, SamplingParams
 from tests.engine.tiny_models import make_tiny_hf_model
 
 pytest.importorskip("transformers")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv_engine.kv_cache import CacheSpec, KVCache
-from confkv_engine.model import DenseAttention, LlamaForCausalLM, ModelArgs
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache
+from confkv_engine.model.llama import DenseAttention, LlamaForCausalLM, ModelArgs
 from confkv_engine.retention.manager import RetentionManager
-from confkv_engine.retention.offline import run_sequence
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.scorer import ScorerConfig
 from confkv_engine.retention.tiers import TierConfig
+from tests.drivers.offline import run_sequence
 
 CHUNK, BLOCK = 32, 16
 
@@ -84,8 +84,8 @@ def test_key_only_tier_frees_values(model, cache) -> None:
     cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=1.0, medium=0.0, sinks=4, window=CHUNK),
                           scorer=ScorerConfig(mode="attention"))
     manager = RetentionManager(cache, 4, cfg, CHUNK)
-    from confkv_engine.kv_cache import SeqKV
-    from confkv_engine.retention.backend import RetentionAttention
+    from confkv_engine.attention.retention import RetentionAttention
+    from confkv_engine.cache.kv_cache import SeqKV
 
     backend, seq, state = RetentionAttention(cache, 4), SeqKV(), manager.new_state(cfg)
     _run_chunks(model, cache, manager, backend, seq, state, _tokens(160))
@@ -142,8 +142,8 @@ class _RecordingDense(DenseAttention):
 def test_signal_recomputed_at_decision_points_equals_every_query(model, cache) -> None:
     # The fused forward records queries; score_pending recomputes their probabilities at each
     # decision point. The accumulators must equal folding every query of a dense reference.
-    from confkv_engine.kv_cache import SeqKV
-    from confkv_engine.retention.backend import RetentionAttention
+    from confkv_engine.attention.retention import RetentionAttention
+    from confkv_engine.cache.kv_cache import SeqKV
 
     n, decay = 192, 0.97
     cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=0.01, medium=0.0, window=CHUNK),
@@ -178,14 +178,14 @@ class _KeptCacheReference:
             v[: state.n_key] = state.v_mean[layer][None]
 
     def attend(self, layer, q, k, v):
-        from confkv_engine.model import dense_causal_attention
+        from confkv_engine.model.llama import dense_causal_attention
 
         return dense_causal_attention(q, torch.cat([self.k[layer], k]), torch.cat([self.v[layer], v]))
 
 
 def test_key_only_stand_in_through_the_fused_path_matches_explicit_reference(model, cache) -> None:
-    from confkv_engine.kv_cache import SeqKV
-    from confkv_engine.retention.backend import RetentionAttention
+    from confkv_engine.attention.retention import RetentionAttention
+    from confkv_engine.cache.kv_cache import SeqKV
 
     cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=1.0, medium=0.0, sinks=4, window=CHUNK))
     manager = RetentionManager(cache, 4, cfg, CHUNK)
@@ -205,8 +205,8 @@ def test_key_only_stand_in_through_the_fused_path_matches_explicit_reference(mod
 
 @pytest.mark.parametrize("granularity", ["layer", "token"])
 def test_coarser_granularity_keeps_the_same_tokens_across_units(model, cache, granularity: str) -> None:
-    from confkv_engine.kv_cache import SeqKV
-    from confkv_engine.retention.backend import RetentionAttention
+    from confkv_engine.attention.retention import RetentionAttention
+    from confkv_engine.cache.kv_cache import SeqKV
 
     tiers = TierConfig(window=CHUNK, granularity=granularity)
     cfg = RetentionConfig(policy="conf-kv", tiers=tiers, budget=0.25)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from confkv_engine.gguf_reader import read_gguf
-from confkv_engine.loader import builtin_path
-from confkv_engine.tokenizer import ChatTemplateError, Tokenizer
+from confkv_engine.model.gguf_reader import read_gguf
+from confkv_engine.model.loader import builtin_path
+from confkv_engine.model.tokenizer import ChatTemplateError, Tokenizer
 
 regex = pytest.importorskip("regex")  # comes with transformers (test extra)
 

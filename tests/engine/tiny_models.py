@@ -16,7 +16,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from torch import Tensor
 
-from confkv_engine.model import DenseAttention, LlamaForCausalLM
+from confkv_engine.model.llama import DenseAttention, LlamaForCausalLM
 
 VOCAB_SIZE = 320
 SPECIALS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")

@@ -235,7 +235,7 @@ def _kv_quality():
 def test_echo_logprobs_under_retention_equal_the_benchmark_in_process(server: EngineServer) -> None:
     import torch
 
-    from confkv_engine.loader import load_model
+    from confkv_engine.model.loader import load_model
 
     kvq = _kv_quality()
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")

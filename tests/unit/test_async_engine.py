@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from confkv_engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull
-from confkv_engine.outputs import RequestOutput
-from confkv_engine.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.core.async_engine import AsyncEngine, EngineUnavailable, QueueFull
+from confkv_engine.core.outputs import RequestOutput
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv_engine.block_pool import BlockPool, NoFreeBlocks
-from confkv_engine.kv_cache import CacheSpec, KVCache, SeqKV, resolve_cache_bytes
+from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV, resolve_cache_bytes
 
 
 def test_allocate_takes_head_and_free_appends_to_tail_in_order() -> None:

@@ -19,9 +19,9 @@ from confkv_agent.apply import EngineClient, EngineError
 from confkv_agent.loop import Agent
 from confkv_agent.record import LAST_REMEDIATION_ANNOTATION, KubeRecorder
 from confkv_api.config import load_config
-from confkv_engine.control import ControlPlane, ControlPlaneError, socket_path
-from confkv_engine.engine import EngineStats
-from confkv_engine.policy import PolicyInvalid, PolicyNotLive, PolicyStore
+from confkv_engine.control.policy import PolicyInvalid, PolicyNotLive, PolicyStore
+from confkv_engine.control.servicer import ControlPlane, ControlPlaneError, socket_path
+from confkv_engine.core.engine import EngineStats
 
 
 class FakeEngine:
@@ -177,7 +177,7 @@ def test_the_agent_writes_the_annotation_the_operator_reads() -> None:
 def test_retention_settings_are_live_when_the_engine_has_a_retention_manager(tmp_path: Path) -> None:
     import torch
 
-    from confkv_engine.kv_cache import CacheSpec, KVCache
+    from confkv_engine.cache.kv_cache import CacheSpec, KVCache
     from confkv_engine.retention.manager import RetentionManager, config_from_section
 
     config = load_config({"engine": {"grpcSocket": str(tmp_path / "r.sock"), "prefillChunk": 64},

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from confkv_engine.model import dense_causal_attention
+from confkv_engine.model.llama import dense_causal_attention
 from confkv_engine.retention.value_merge import WEIGHT_FLOOR, merge_values, tiered_attention
 
 

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
-from confkv_engine.sampling import (
+from confkv_engine.core.sampling import (
     IncrementalDetokenizer,
     OutputTracker,
     apply_min_tokens_mask,
@@ -19,7 +19,7 @@ from confkv_engine.sampling import (
     sample,
     token_logprobs,
 )
-from confkv_engine.sampling_params import SamplingParams
+from confkv_engine.core.sampling_params import SamplingParams
 
 V = 1000
 EOS = 256
@@ -344,9 +344,9 @@ def test_detokenizer_with_prompt_context(byte_tokenizer: Tokenizer) -> None:
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
     """SmolLM2's real byte-level BPE (read from the embedded GGUF's metadata, weights not loaded)."""
-    from confkv_engine.gguf_loader import open_gguf
-    from confkv_engine.loader import builtin_path
-    from confkv_engine.tokenizer import Tokenizer as GGUFTokenizer
+    from confkv_engine.model.gguf_loader import open_gguf
+    from confkv_engine.model.loader import builtin_path
+    from confkv_engine.model.tokenizer import Tokenizer as GGUFTokenizer
 
     return GGUFTokenizer.from_gguf_metadata(open_gguf(builtin_path("smollm2-135m")).metadata)
 

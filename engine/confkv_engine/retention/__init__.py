@@ -6,8 +6,8 @@
 - ``value_merge``: the KEY_ONLY value stand-in and attention over FULL/KEY_ONLY slots.
 """
 
-from .policies import POLICY_NAMES, RetentionConfig
-from .scorer import ScorerConfig
-from .tiers import KVAccounting, Tier, TierConfig
+from confkv_engine.retention.policies import POLICY_NAMES, RetentionConfig
+from confkv_engine.retention.scorer import ScorerConfig
+from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig
 
 __all__ = ["POLICY_NAMES", "KVAccounting", "RetentionConfig", "ScorerConfig", "Tier", "TierConfig"]

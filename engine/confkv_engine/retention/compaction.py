@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kv_cache import KVCache, SeqKV
-from .runtime import RetentionState
-from .scorer import attention_signal
-from .tiers import Tier
-from .value_merge import merge_values
+from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.retention.runtime import RetentionState
+from confkv_engine.retention.scorer import attention_signal
+from confkv_engine.retention.tiers import Tier
+from confkv_engine.retention.value_merge import merge_values
 
 
 class NullBlock:

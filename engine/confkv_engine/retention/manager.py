@@ -21,15 +21,14 @@ import torch
 from torch import Tensor
 
 from confkv_api.config import ConfKVSection
-
-from ..kv_cache import KVCache, SeqKV
-from ..outputs import KVUsage
-from . import scorer
-from .backend import score_pending
-from .compaction import NullBlock, apply_tiers, held_bytes
-from .policies import RetentionConfig
-from .runtime import RetentionState, accounting, decision_interval, shared_blocks
-from .tiers import TierConfig, budget_target, is_decision_point
+from confkv_engine.attention.retention import score_pending
+from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.core.outputs import KVUsage
+from confkv_engine.retention import scorer
+from confkv_engine.retention.compaction import NullBlock, apply_tiers, held_bytes
+from confkv_engine.retention.policies import RetentionConfig
+from confkv_engine.retention.runtime import RetentionState, accounting, decision_interval, shared_blocks
+from confkv_engine.retention.tiers import TierConfig, budget_target, is_decision_point
 
 # Pressure mode: the budget applies while fewer than this fraction of the pool's blocks are free.
 PRESSURE_FREE_FRACTION = 0.1

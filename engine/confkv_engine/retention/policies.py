@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from . import scorer
-from .tiers import KVAccounting, Tier, TierConfig, decide_tiers, share_confidence
+from confkv_engine.retention import scorer
+from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig, decide_tiers, share_confidence
 
 POLICY_NAMES = ("full", "streaming", "h2o", "conf-kv", "conf-kv-discard")
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..kv_cache import KVCache, SeqKV
-from . import policies, scorer
-from .policies import RetentionConfig, SlotView
-from .tiers import KVAccounting, budget_target, is_decision_point
+from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.retention import policies, scorer
+from confkv_engine.retention.policies import RetentionConfig, SlotView
+from confkv_engine.retention.tiers import KVAccounting, budget_target, is_decision_point
 
 
 def decision_interval(block_size: int, prefill_chunk: int) -> int:

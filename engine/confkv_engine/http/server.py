@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from confkv_api.config import ConfKVConfig
-from confkv_engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull
-from confkv_engine.metrics import EngineMetrics
-from confkv_engine.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from confkv_engine.sampling_params import InvalidRequest
-from confkv_engine.serving import GenerationFailed, OpenAIServing
+from confkv_engine.core.async_engine import AsyncEngine, EngineUnavailable, QueueFull
+from confkv_engine.core.sampling_params import InvalidRequest
+from confkv_engine.http.metrics import EngineMetrics
+from confkv_engine.http.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from confkv_engine.http.serving import GenerationFailed, OpenAIServing
 
 log = logging.getLogger("confkv.server")
 
@@ -63,15 +63,15 @@ class ServerState:
         self.created = int(time.time())
         self.on_load_failed = on_load_failed
         self.loaded_event = threading.Event()
-        from confkv_engine.control import ControlPlane  # grpc: imported only by a serving process
+        from confkv_engine.control.servicer import ControlPlane  # grpc: imported only by a serving process
 
         self.control = ControlPlane(config)
 
     def load(self) -> None:
         """Load the model and start the engine thread (runs in a worker thread)."""
         try:
-            from confkv_engine.engine import LLMEngine
-            from confkv_engine.loader import load_model, resolve_device, resolve_dtype
+            from confkv_engine.core.engine import LLMEngine
+            from confkv_engine.model.loader import load_model, resolve_device, resolve_dtype
 
             cfg = self.config
             loaded = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype),

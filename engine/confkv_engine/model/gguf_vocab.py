@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .weights import ModelLoadError
+from confkv_engine.model.weights import ModelLoadError
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .model import ModelArgs
-from .weights import ModelLoadError
+from confkv_engine.model.llama import ModelArgs
+from confkv_engine.model.weights import ModelLoadError
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,7 @@ from confkv_api import metrics as names
 from confkv_api.config import ConfKVConfig
 from confkv_api.v1 import control_pb2 as pb
 from confkv_api.v1 import control_pb2_grpc as pb_grpc
-
-from .policy import (
+from confkv_engine.control.policy import (
     BATCH_FIELD,
     PolicyConflict,
     PolicyError,
@@ -105,7 +104,7 @@ RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.si
 
 def _retention_manager(engine: Any) -> Any | None:
     """The engine's RetentionManager, found by type (whatever the attribute is called), if any."""
-    from .retention.manager import RetentionManager
+    from confkv_engine.retention.manager import RetentionManager
 
     return next((v for v in vars(engine).values() if isinstance(v, RetentionManager)), None)
 
@@ -136,7 +135,7 @@ class EngineBinding:
         manager = _retention_manager(self.engine)
         retention = None
         if manager is not None and any(p.startswith(RETENTION_FIELDS) for p in live):
-            from .retention.manager import config_from_section
+            from confkv_engine.retention.manager import config_from_section
 
             try:
                 retention = config_from_section(snapshot.confkv, manager.defaults.scorer)
@@ -227,7 +226,9 @@ class ControlPlane:
         binding, store = bound
         s = binding.stats()
         count, total = binding.latency()
-        from .metrics import device_memory  # psutil/torch: imported only when a status is asked
+        from confkv_engine.http.metrics import (
+            device_memory,  # psutil/torch: imported only when a status is asked
+        )
 
         label, used, capacity = device_memory(binding.device)
         policy = store.current

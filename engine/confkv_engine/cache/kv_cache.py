@@ -43,7 +43,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .block_pool import BlockPool
+from confkv_engine.cache.block_pool import BlockPool
 
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
 # On CPU a fraction ("80%") means that fraction of total RAM, but never more than half of the RAM

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confkv_engine.outputs import RequestOutput, TokenLogprob
+from confkv_engine.core.outputs import RequestOutput, TokenLogprob
 
 TokenText = Callable[[int], str]
 

@@ -16,9 +16,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .outputs import TokenLogprob
-from .sampling_params import SamplingParams
-from .stopping import IncrementalDetokenizer, OutputTracker, StopChecker, find_stop, partial_stop_len
+from confkv_engine.core.outputs import TokenLogprob
+from confkv_engine.core.sampling_params import SamplingParams
+from confkv_engine.core.stopping import (
+    IncrementalDetokenizer,
+    OutputTracker,
+    StopChecker,
+    find_stop,
+    partial_stop_len,
+)
 
 __all__ = [
     "IncrementalDetokenizer",

@@ -29,9 +29,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..kv_cache import KVCache, SeqKV
-from ..paged_attention import PagedAttention, _Prefill
-from .runtime import RetentionState
+from confkv_engine.attention.paged import PagedAttention, _Prefill
+from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.retention.runtime import RetentionState
 
 
 class RetentionAttention(PagedAttention):

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..kv_cache import KVCache, SeqKV
-from ..model import LlamaForCausalLM
-from .backend import RetentionAttention
-from .manager import RetentionManager
-from .policies import RetentionConfig
+from confkv_engine.attention.retention import RetentionAttention
+from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.model.llama import LlamaForCausalLM
+from confkv_engine.retention.manager import RetentionManager
+from confkv_engine.retention.policies import RetentionConfig
 
 
 @dataclass

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .outputs import FinishReason
-from .sampling_params import SamplingParams
+from confkv_engine.core.outputs import FinishReason
+from confkv_engine.core.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 # Tokens of context decoded before the new ones: enough for SentencePiece's leading-space rule.

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .gguf_reader import GGUFContents, GGUFTensor, read_gguf
-from .model import ModelArgs, rope_inv_freq
-from .weights import ModelLoadError
+from confkv_engine.model.gguf_reader import GGUFContents, GGUFTensor, read_gguf
+from confkv_engine.model.llama import ModelArgs, rope_inv_freq
+from confkv_engine.model.weights import ModelLoadError
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 # Types gguf.quants can dequantize that we accept (the i-quants are far too slow in numpy).

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .weights import ModelLoadError
+from confkv_engine.model.weights import ModelLoadError
 
 _SCALARS = {
     0: "<B",

@@ -27,16 +27,15 @@ from typing import Any
 import torch
 
 from confkv_api.config import ConfKVConfig, parse_size
-
-from . import sampling
-from .kv_cache import CacheSpec, FullCache, KVCache, RetentionPolicy, resolve_cache_bytes
-from .outputs import RequestOutput
-from .retention.backend import RetentionAttention
-from .retention.manager import RetentionManager, config_from_section
-from .retention.policies import RetentionConfig
-from .sampling_params import InvalidRequest, SamplingParams
-from .scheduler import Scheduler
-from .sequence import SeqStatus, Sequence
+from confkv_engine.attention.retention import RetentionAttention
+from confkv_engine.cache.kv_cache import CacheSpec, FullCache, KVCache, RetentionPolicy, resolve_cache_bytes
+from confkv_engine.core import sampling
+from confkv_engine.core.outputs import RequestOutput
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.core.scheduler import Scheduler
+from confkv_engine.core.sequence import SeqStatus, Sequence
+from confkv_engine.retention.manager import RetentionManager, config_from_section
+from confkv_engine.retention.policies import RetentionConfig
 
 MAX_OOM_RETRIES = 3
 

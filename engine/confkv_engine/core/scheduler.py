@@ -26,8 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .kv_cache import KVCache
-from .sequence import SeqStatus, Sequence
+from confkv_engine.cache.kv_cache import KVCache
+from confkv_engine.core.sequence import SeqStatus, Sequence
 
 
 @dataclass

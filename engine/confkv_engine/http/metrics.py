@@ -17,8 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from confkv_api import metrics as names
-from confkv_engine.async_engine import stat
-from confkv_engine.outputs import RequestOutput
+from confkv_engine.core.async_engine import stat
+from confkv_engine.core.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

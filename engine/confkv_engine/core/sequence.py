@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from .kv_cache import SeqKV
-from .outputs import FinishReason, TokenLogprob
-from .sampling import OutputTracker
-from .sampling_params import SamplingParams
+from confkv_engine.cache.kv_cache import SeqKV
+from confkv_engine.core.outputs import FinishReason, TokenLogprob
+from confkv_engine.core.sampling import OutputTracker
+from confkv_engine.core.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from . import gguf_loader, hf_loader
-from .model import LlamaForCausalLM, ModelArgs
-from .tokenizer import Tokenizer
-from .weights import ModelLoadError, build_model, check_dtype
+from confkv_engine.model import gguf_loader, hf_loader
+from confkv_engine.model.llama import LlamaForCausalLM, ModelArgs
+from confkv_engine.model.tokenizer import Tokenizer
+from confkv_engine.model.weights import ModelLoadError, build_model, check_dtype
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from confkv_engine import openai_format as fmt
-from confkv_engine.async_engine import AsyncEngine
-from confkv_engine.outputs import RequestOutput
-from confkv_engine.protocol import ChatCompletionRequest, CompletionRequest, _Request, error_body
-from confkv_engine.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.core.async_engine import AsyncEngine
+from confkv_engine.core.outputs import RequestOutput
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.http import openai_format as fmt
+from confkv_engine.http.protocol import ChatCompletionRequest, CompletionRequest, _Request, error_body
 
 
 class Tokenizer(Protocol):

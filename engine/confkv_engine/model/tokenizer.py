@@ -18,8 +18,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from .gguf_vocab import build_byte_level_bpe, build_spm_bpe
-from .weights import ModelLoadError
+from confkv_engine.model.gguf_vocab import build_byte_level_bpe, build_spm_bpe
+from confkv_engine.model.weights import ModelLoadError
 
 log = logging.getLogger(__name__)
 

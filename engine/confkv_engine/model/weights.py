@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from .model import LlamaForCausalLM, ModelArgs, rope_inv_freq
+from confkv_engine.model.llama import LlamaForCausalLM, ModelArgs, rope_inv_freq
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

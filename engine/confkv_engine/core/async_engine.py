@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from confkv_engine.engine import QueueFull
-from confkv_engine.outputs import RequestOutput
-from confkv_engine.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.core.engine import QueueFull
+from confkv_engine.core.outputs import RequestOutput
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kv_cache import KVCache, SeqKV
+from confkv_engine.cache.kv_cache import KVCache, SeqKV
 
 _NEG_INF = float("-inf")
 

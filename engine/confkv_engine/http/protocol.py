@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from confkv_engine.sampling_params import InvalidRequest
+from confkv_engine.core.sampling_params import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 
