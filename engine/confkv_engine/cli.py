@@ -144,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         return EXIT_BAD_CONFIG
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from confkv_engine.http.server import run_server
+    from confkv_engine.server import run_server
 
     agent = _start_agent(args, config) if getattr(args, "with_agent", False) else None
     status = run_server(config, log_level=args.log_level,
