@@ -119,6 +119,11 @@ class EngineSection(_Model):
                 f"prefillChunk ({self.prefill_chunk}) must be <= maxNumBatchedTokens "
                 f"({self.max_num_batched_tokens})"
             )
+        if self.prefill_chunk % self.block_size:
+            # Chunks end on block boundaries (retention decides there), so a chunk that is not a whole
+            # number of blocks could never be scheduled under a retention policy.
+            raise ValueError(f"prefillChunk ({self.prefill_chunk}) must be a multiple of blockSize "
+                             f"({self.block_size})")
         return self
 
 

@@ -21,6 +21,7 @@ import uvicorn
 
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.async_engine import AsyncEngine
+from confkv_engine.core.control_api import EngineControlTarget
 from confkv_engine.http.app import APIError, create_app
 from confkv_engine.http.metrics import EngineMetrics
 from confkv_engine.http.serving import OpenAIServing
@@ -81,7 +82,7 @@ class ServerState:
         finally:
             self.loaded_event.set()
 
-    def _attach_control(self, core: object, engine: AsyncEngine, device: str) -> None:
+    def _attach_control(self, core: EngineControlTarget, engine: AsyncEngine, device: str) -> None:
         try:
             self.control.attach(core, engine.stats, self.metrics.registry, device, self.model_name)
         except Exception:  # the HTTP API keeps serving without the control plane

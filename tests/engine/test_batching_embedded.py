@@ -75,7 +75,7 @@ def test_batched_with_preemption_equals_solo(loaded, prompts, solo) -> None:
     probe = _engine(loaded)
     need = [probe.cache.blocks_for_tokens(len(p) + NEW) for p in prompts]
     blocks = max(max(need), sum(need) // 2)  # the largest fits alone; all together never do
-    eng = _engine(loaded, cache_bytes=blocks * probe.cache.spec.block_bytes)
+    eng = _engine(loaded, cache_bytes=(blocks + 1) * probe.cache.spec.block_bytes)  # + the null block
     assert eng.cache.num_blocks == blocks
     batch = eng.generate(prompts, PARAMS)
     assert eng.stats().num_preemptions > 0

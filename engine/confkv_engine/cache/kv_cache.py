@@ -1,44 +1,29 @@
 """Paged KV cache: device tensors, per-sequence block tables and slot metadata.
 
-Layout (chosen so token-level retention can land without rewriting the core):
+The cache is the only writer of block tables, pool reference counts and slot positions: the
+attention backend asks it where a step's keys and values go (``plan_writes``), retention asks it to
+rewrite a sequence by a plan (``rewrite``), the scheduler asks it to reserve and free.
+
+Layout:
 
 - **One pool of blocks** (``BlockPool``). A block is ``block_size`` token slots for *one* of K or V,
   over all layers: ``kv[L, num_blocks, block_size, Hkv, D]`` (model dtype). A sequence holds a K
   block table and a separate V block table drawn from the same pool, so dropping a token's V
-  (KEY_ONLY) can return whole V blocks that are then usable as K or V by anyone. Full-cache cost:
+  (KEY_ONLY) returns whole V blocks that are then usable as K or V by anyone. Full-cache cost:
   2 blocks per ``block_size`` tokens.
-- **Slots, not positions.** Within a sequence, K slot ``s`` of (layer l, KV head h) lives at
-  ``kv[l, k_blocks[s // bs], s % bs, h]``. Keys are stored after RoPE, and ``pos[l, flat_slot, h]``
-  (int32, pool-level, -1 = empty) records the absolute position of the token in every slot, so
-  retention can keep *different token sets per layer and per KV head* (slot s of head 0 and head
-  1 may hold different tokens) and never re-rotates anything.
-- **Slot counts.** ``SeqKV.num_slots`` is the high-water mark over (layer, head); ``head_slots``
-  ``[L, Hkv]`` holds per-(layer, head) counts once they diverge (None while all are equal, the fast
-  path). New tokens of (l, h) are appended at slot ``head_slots[l, h]``; a query sees exactly the
-  slots below its own, so attention needs no positions, only counts (see ``paged_attention``).
-  The sequence's block count is ``ceil(num_slots / bs)`` per table, so equal per-head budgets
-  release whole blocks.
-- **V tied to K (today).** V slot s holds the value of K slot s. The KEY_ONLY tier adds a
-  ``SeqKV.v_map [L, Hkv, num_slots]`` (V slot per K slot, -1 = V dropped) and shrinks
-  ``v_blocks``; that map and the per-(sequence, layer, head) mean of dropped values are the
-  retention work's additions (the backend reads V through the map when it is set).
-
-Retention hooks (the policies live elsewhere):
-
-- ``KVCache.compact(seq, keep[L, Hkv, num_slots])`` moves the kept slots of every (layer, head)
-  forward in order (K, V and positions together) and returns the now-unused tail blocks to the pool
-  in the same call. ``seq_bytes`` counts what a sequence holds from its block tables (the pool's
-  own allocation), K and V separately.
-- The engine calls ``RetentionPolicy.after_step(seq, cache)`` after every prefill chunk and decode
-  step, and the scheduler cuts prefill chunks at multiples of ``block_size`` so that a policy
-  acting only when ``num_computed % block_size == 0`` makes the same decisions on replay after
-  preemption. The default ``FullCache`` policy keeps everything.
+- **Slots, not positions.** K slot ``s`` of a sequence lives at ``kv[l, k_blocks[s // bs], s % bs]``
+  for every layer l. Keys are stored after RoPE, and ``pos[l, flat_slot, h]`` (int32, -1 = empty)
+  records the absolute position of the token in every slot, so retention can keep a different
+  token set per (layer, KV head) at the same slot count and never re-rotates anything. A query sees
+  exactly the slots below its own, so attention needs counts, not positions.
+- **V slot s holds the value of K slot s.** When retention drops the values of a sequence's first
+  slots (KEY_ONLY), the V-table entries that cover only such slots point at the **null block**, one
+  block reserved when the cache is created and never handed out; it is not counted as anyone's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -94,35 +79,19 @@ def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.
 
 @dataclass
 class SeqKV:
-    """One sequence's view of the pool."""
+    """One sequence's view of the pool (its tables are written by ``KVCache`` only)."""
 
     k_blocks: list[int] = field(default_factory=list)
     v_blocks: list[int] = field(default_factory=list)
-    num_slots: int = 0  # slots used, max over (layer, KV head)
-    head_slots: Tensor | None = None  # [L, Hkv] int64 per-(layer, head) counts; None = all num_slots
-
-    @property
-    def uniform(self) -> bool:
-        return self.head_slots is None
+    num_slots: int = 0  # slots used, the same in every (layer, KV head)
 
 
-class RetentionPolicy(Protocol):
-    """Called by the engine after each prefill chunk / decode step of a running sequence.
+@dataclass(frozen=True)
+class WritePlan:
+    """Where a step's new keys and values go: flat pool slot indices [T], in the step's token order."""
 
-    ``num_computed`` is the number of token positions processed so far (cached or evicted). A
-    policy may call ``cache.compact`` (and, with KEY_ONLY, drop values); it must keep the most
-    recent ``block_size`` slots of every (layer, head) because the scheduler has already counted on
-    them. Policies should act only when ``num_computed % cache.spec.block_size == 0``.
-    """
-
-    def after_step(self, seq_kv: SeqKV, cache: KVCache, num_computed: int) -> None: ...
-
-
-class FullCache:
-    """The no-op policy: every token stays FULL."""
-
-    def after_step(self, seq_kv: SeqKV, cache: KVCache, num_computed: int) -> None:
-        return None
+    k_index: Tensor
+    v_index: Tensor
 
 
 class KVCache:
@@ -135,41 +104,63 @@ class KVCache:
         self.kv_flat = self.kv.view(spec.num_layers, num_blocks * bs, h, d)
         self.pos = torch.full((spec.num_layers, num_blocks * bs, h), -1, dtype=torch.int32,
                               device=spec.device)
+        # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
+        self.null_block = self.pool.allocate(1)[0]
 
     @classmethod
     def from_budget(cls, spec: CacheSpec, budget_bytes: int) -> KVCache:
         num_blocks = budget_bytes // spec.block_bytes
-        if num_blocks < 2:
+        if num_blocks < 3:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes holds {num_blocks} blocks of "
-                f"{spec.block_bytes} bytes; at least 2 are needed (raise maxCacheSize)")
+                f"{spec.block_bytes} bytes; at least 3 are needed (raise maxCacheSize)")
         return cls(spec, int(num_blocks))
 
+    # ---- capacity --------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks sequences can hold (the pool less the null block)."""
+        return self.pool.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
 
     @property
     def total_bytes(self) -> int:
-        return self.pool.num_blocks * self.spec.block_bytes
+        return self.num_blocks * self.spec.block_bytes
 
     @property
     def used_bytes(self) -> int:
-        return self.pool.num_used * self.spec.block_bytes
+        return (self.pool.num_used - 1) * self.spec.block_bytes
+
+    def can_allocate(self, n: int) -> bool:
+        return self.pool.can_allocate(n)
+
+    def held_blocks(self, seq: SeqKV) -> int:
+        """Pool blocks the sequence holds (K and V tables; null entries are nobody's)."""
+        return len(seq.k_blocks) + sum(1 for b in seq.v_blocks if b != self.null_block)
 
     def seq_bytes(self, seq: SeqKV) -> int:
         """Bytes a sequence holds in the pool (K and V blocks, position metadata included)."""
-        return (len(seq.k_blocks) + len(seq.v_blocks)) * self.spec.block_bytes
+        return self.held_blocks(seq) * self.spec.block_bytes
+
+    def shares_blocks(self, seq: SeqKV) -> bool:
+        """True when another holder references one of the sequence's blocks (then they are immutable)."""
+        ref = self.pool.ref_count
+        return any(ref(b) > 1 for b in seq.k_blocks) or any(
+            b != self.null_block and ref(b) > 1 for b in seq.v_blocks)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a full (unevicted) cache of ``num_tokens`` needs: K and V tables."""
         return 2 * -(-num_tokens // self.spec.block_size)
 
     def blocks_needed(self, seq: SeqKV, num_new: int) -> int:
-        """Extra blocks needed to append ``num_new`` tokens to every (layer, head)."""
+        """Extra blocks needed to append ``num_new`` tokens."""
         per_table = -(-(seq.num_slots + num_new) // self.spec.block_size)
         return max(0, per_table - len(seq.k_blocks)) + max(0, per_table - len(seq.v_blocks))
 
+    # ---- tables ----------------------------------------------------------------------------
     def reserve(self, seq: SeqKV, num_new: int) -> None:
         """Allocate the blocks for ``num_new`` more slots (raises NoFreeBlocks, allocating nothing)."""
         per_table = -(-(seq.num_slots + num_new) // self.spec.block_size)
@@ -182,8 +173,8 @@ class KVCache:
         """Return every block of the sequence to the pool (K table first, then V) and reset it."""
         self._clear_positions(seq.k_blocks)
         self.pool.free(seq.k_blocks)
-        self.pool.free(seq.v_blocks)
-        seq.k_blocks, seq.v_blocks, seq.num_slots, seq.head_slots = [], [], 0, None
+        self.pool.free([b for b in seq.v_blocks if b != self.null_block])
+        seq.k_blocks, seq.v_blocks, seq.num_slots = [], [], 0
 
     def _clear_positions(self, blocks: list[int]) -> None:
         if blocks:
@@ -198,11 +189,23 @@ class KVCache:
         table = torch.tensor(blocks, dtype=torch.long, device=slots.device)
         return table[slots // bs] * bs + slots % bs
 
+    def plan_writes(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> WritePlan:
+        """Flat K and V slots of a step's new tokens (reserved already), and record their positions."""
+        bs, dev = self.spec.block_size, self.kv.device
+        k_idx: list[int] = []
+        v_idx: list[int] = []
+        for s, n in zip(seqs, num_new, strict=True):
+            for slot in range(s.num_slots, s.num_slots + n):
+                k_idx.append(s.k_blocks[slot // bs] * bs + slot % bs)
+                v_idx.append(s.v_blocks[slot // bs] * bs + slot % bs)
+        plan = WritePlan(torch.tensor(k_idx, dtype=torch.long, device=dev),
+                         torch.tensor(v_idx, dtype=torch.long, device=dev))
+        self.pos[:, plan.k_index, :] = positions.to(dev, torch.int32)[None, :, None]
+        return plan
+
     def commit(self, seq: SeqKV, num_new: int) -> None:
-        """Record that ``num_new`` tokens were appended to every (layer, head) of the sequence."""
+        """Record that ``num_new`` tokens were appended (after the forward pass succeeded)."""
         seq.num_slots += num_new
-        if seq.head_slots is not None:
-            seq.head_slots += num_new
 
     def slot_positions(self, seq: SeqKV) -> Tensor:
         """Absolute positions in the sequence's K slots: [L, Hkv, num_slots] int32 (-1 = empty)."""
@@ -210,43 +213,49 @@ class KVCache:
         idx = self.slot_index(seq.k_blocks, slots)
         return self.pos[:, idx, :].permute(0, 2, 1)
 
-    def compact(self, seq: SeqKV, keep: Tensor) -> int:
-        """Keep only the slots where ``keep[L, Hkv, num_slots]`` is True; returns blocks freed.
+    def read_values(self, seq: SeqKV) -> Tensor:
+        """The sequence's values as [L, Hkv, num_slots, D] fp32 on the CPU (for retention's merge)."""
+        idx = self.slot_index(seq.v_blocks, torch.arange(seq.num_slots, device=self.kv.device))
+        return self.kv_flat[:, idx].permute(0, 2, 1, 3).float().cpu()
 
-        Kept slots of each (layer, head) move forward in order, together with their V and position;
-        the tail blocks no (layer, head) uses any more go back to the pool now.
-        """
-        spec = self.spec
-        n = seq.num_slots
-        if keep.shape != (spec.num_layers, spec.num_kv_heads, n):
-            raise ValueError(f"keep mask {tuple(keep.shape)} != {(spec.num_layers, spec.num_kv_heads, n)}")
-        dev = self.kv.device
-        keep = keep.to(dev)
-        if seq.head_slots is not None:  # slots past a head's own count are already empty
-            keep = keep & (torch.arange(n, device=dev) < seq.head_slots.to(dev)[..., None])
-        counts = keep.sum(-1)  # [L, Hkv]
-        # Stable sort puts each head's kept slots first, in their original order.
-        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices  # [L, Hkv, n]
+    def rewrite(self, seq: SeqKV, order: Tensor, n_key: int) -> int:
+        """Keep, per (layer, KV head), the slots ``order[L, Hkv, n_new]`` lists, moved to the front in that
+        order; the first ``n_key`` keep only their keys (their V-table entries become the null block
+        where a whole block is covered). Tail blocks go back to the pool now; returns blocks freed (net)."""
+        spec, dev, bs = self.spec, self.kv.device, self.spec.block_size
+        n_new = order.shape[-1]
+        src = order.to(dev)
         layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
         head = torch.arange(spec.num_kv_heads, device=dev)[None, :, None]
-        dst_slots = torch.arange(n, device=dev).expand_as(order)
-        for blocks in (seq.k_blocks, seq.v_blocks):
-            src, dst = self.slot_index(blocks, order), self.slot_index(blocks, dst_slots)
-            self.kv_flat[layer, dst, head] = self.kv_flat[layer, src, head]
-        k_src, k_dst = self.slot_index(seq.k_blocks, order), self.slot_index(seq.k_blocks, dst_slots)
-        moved = self.pos[layer, k_src, head]
-        self.pos[layer, k_dst, head] = torch.where(dst_slots < counts[..., None], moved, -1)
-        return self._shrink(seq, counts)
+        k_src = self.slot_index(seq.k_blocks, src)
+        keys, pos = self.kv_flat[layer, k_src, head], self.pos[layer, k_src, head]
+        vals = self.kv_flat[layer, self.slot_index(seq.v_blocks, src[..., n_key:]), head]
+        held_before = self.held_blocks(seq)
 
-    def _shrink(self, seq: SeqKV, counts: Tensor) -> int:
-        new_max = int(counts.max()) if counts.numel() else 0
-        uniform = bool((counts == new_max).all())
-        seq.num_slots = new_max
-        seq.head_slots = None if uniform else counts.to("cpu", torch.long)
-        keep_blocks = -(-new_max // self.spec.block_size)
-        freed = seq.k_blocks[keep_blocks:] + seq.v_blocks[keep_blocks:]
-        self._clear_positions(seq.k_blocks[keep_blocks:])
-        self.pool.free(freed)
-        del seq.k_blocks[keep_blocks:]
-        del seq.v_blocks[keep_blocks:]
-        return len(freed)
+        nb = -(-n_new // bs)
+        tail_k, tail_v = seq.k_blocks[nb:], seq.v_blocks[nb:]
+        del seq.k_blocks[nb:], seq.v_blocks[nb:]
+        self._clear_positions(tail_k)
+        self.pool.free(tail_k + [b for b in tail_v if b != self.null_block])
+        self._set_null_entries(seq, n_key // bs)
+
+        dst = torch.arange(n_new, device=dev).expand_as(src)
+        k_dst = self.slot_index(seq.k_blocks, dst)
+        self.kv_flat[layer, k_dst, head] = keys
+        self.kv_flat[layer, self.slot_index(seq.v_blocks, dst[..., n_key:]), head] = vals
+        self.pos[layer, k_dst, head] = pos
+        if n_new < nb * bs:  # the rest of the last block is empty now
+            rest = self.slot_index(seq.k_blocks, torch.arange(n_new, nb * bs, device=dev))
+            self.pos[:, rest, :] = -1
+        seq.num_slots = n_new
+        return held_before - self.held_blocks(seq)
+
+    def _set_null_entries(self, seq: SeqKV, hole: int) -> None:
+        """V-table entries below ``hole`` become the null block; the others real blocks."""
+        for i, block in enumerate(seq.v_blocks):
+            is_null = block == self.null_block
+            if i < hole and not is_null:
+                self.pool.free([block])
+                seq.v_blocks[i] = self.null_block
+            elif i >= hole and is_null:
+                seq.v_blocks[i] = self.pool.allocate(1)[0]

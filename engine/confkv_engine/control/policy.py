@@ -26,9 +26,6 @@ from confkv_api.config import ConfKVSection, EngineSection
 
 log = logging.getLogger("confkv.policy")
 
-BATCH_FIELD = "engine.maxBatchSize"
-
-
 class PolicyError(Exception):
     """A refused change; nothing was modified."""
 

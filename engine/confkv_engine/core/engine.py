@@ -1,9 +1,10 @@
 """Synchronous engine: requests in, one batched model step per ``step()``, outputs out.
 
-``LLMEngine(loaded, config)``: ``loaded`` is a ``loader.LoadedModel`` (model, tokenizer,
+``LLMEngine(loaded, config)``: ``loaded`` is a ``model.loader.LoadedModel`` (model, tokenizer,
 max_model_len, eos_token_ids, ...) or anything with those attributes; ``config`` a
 ``ConfKVConfig`` (engine and confkv sections are read). Not thread-safe by itself beyond a lock
-around public calls: the HTTP layer drives it from one thread (``async_engine.AsyncEngine``).
+around public calls: the HTTP layer drives it from one thread (``async_engine.AsyncEngine``). It
+is also the control plane's ``EngineControlTarget`` (live batch size and retention defaults).
 
 Per step: the scheduler picks sequences and chunk sizes; the step's tokens are flattened (decode
 rows first) and run once through the model with ``PagedAttention``; logits are computed only for
@@ -21,15 +22,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from confkv_api.config import ConfKVConfig, parse_size
+from confkv_api.config import ConfKVConfig, ConfKVSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
-from confkv_engine.cache.kv_cache import CacheSpec, FullCache, KVCache, RetentionPolicy, resolve_cache_bytes
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, resolve_cache_bytes
 from confkv_engine.core import sampling
+from confkv_engine.core.control_api import BATCH_FIELD, RETENTION_FIELDS, EngineStats, PolicyRejected
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
@@ -44,24 +45,6 @@ class QueueFull(RuntimeError):
     """The waiting queue is at ``maxWaiting`` (the HTTP layer answers 429)."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_total_blocks: int
-    num_free_blocks: int
-    block_size: int
-    kv_bytes_used: int
-    kv_bytes_total: int
-    kv_bytes_full: int
-    kv_bytes_key_only: int
-    num_preemptions: int
-    num_oom: int
-    prompt_tokens_total: int
-    generated_tokens_total: int
-    num_requests_finished: int
-
-
 class _NullTokenizer:
     """For models loaded without a tokenizer (tests): tokens have no text."""
 
@@ -71,7 +54,7 @@ class _NullTokenizer:
 
 class LLMEngine:
     def __init__(self, loaded: Any, config: ConfKVConfig | None = None,
-                 policy: RetentionPolicy | None = None, retention: RetentionConfig | None = None) -> None:
+                 retention: RetentionConfig | None = None) -> None:
         config = config or ConfKVConfig()
         eng = config.engine
         self.model = loaded.model
@@ -92,13 +75,10 @@ class LLMEngine:
         self.retention = RetentionManager(self.cache, args.num_heads,
                                           retention or config_from_section(config.confkv), eng.prefill_chunk)
         self.backend = RetentionAttention(self.cache, args.num_heads)
-        self.scheduler = Scheduler(self.cache, eng.max_batch_size, eng.max_num_batched_tokens,
-                                   eng.prefill_chunk)
-        # Chunks of retained sequences never cross a decision point, so replays are exact.
-        self.scheduler.align_for = self.retention.align_for
-        # Admission reserves a binding budget, not the full length.
-        self.scheduler.headroom_for = self.retention.headroom
-        self.policy: RetentionPolicy = policy or FullCache()
+        # Admission reserves a binding budget, not the full length, and chunks of retained sequences
+        # never cross a decision point, so replays are exact.
+        self.scheduler = Scheduler(self.cache, self.retention, eng.max_batch_size,
+                                   eng.max_num_batched_tokens, eng.prefill_chunk)
         self.max_waiting = eng.max_waiting
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
@@ -111,18 +91,20 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._validate(request_id, prompt_token_ids, params)
+        cfg = self._validate(request_id, prompt_token_ids, params)
         seq = Sequence(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
             tracker=sampling.OutputTracker(self.tokenizer, params, self.eos_token_ids, prompt_token_ids),
-            generator=sampling.make_generator(params.seed, self.device), arrival_time=time.time())
+            generator=sampling.make_generator(params.seed, self.device), arrival_time=time.time(),
+            retention=None if cfg.policy == "full" else cfg)
         with self._lock:
             if len(self.scheduler.waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting")
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> RetentionConfig:
+        """Check a request; returns the retention config it keeps for its whole life."""
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if not prompt:
@@ -151,6 +133,7 @@ class LLMEngine:
                 f"prompt plus max_tokens ({total}) needs {needed} blocks under its kv policy and "
                 f"can never fit (raise maxCacheSize or lower kv_budget)",
                 param="max_tokens", code="kv_cache_too_small")
+        return cfg
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final output comes with the next step."""
@@ -268,7 +251,6 @@ class LLMEngine:
             self.retention.observe_logits(seq.policy_state, logits, start + 1,
                                           seq.token_slice(start + 1, seq.num_computed + 1))
         self.retention.after_step(seq.kv, seq.policy_state, seq.num_computed)
-        self.policy.after_step(seq.kv, self.cache, seq.num_computed)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.tracker.finish_reason is None:
@@ -313,6 +295,11 @@ class LLMEngine:
             finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
             kv_usage=self.retention.usage(seq))
 
+    # ---- control (``core.control_api.EngineControlTarget``) ---------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self.scheduler.max_batch_size
+
     def set_max_batch_size(self, n: int) -> None:
         """Live change (remediation): applies from the next step; running sequences over the new
         limit finish normally, nothing new is admitted until the batch is below it."""
@@ -320,6 +307,30 @@ class LLMEngine:
             raise InvalidRequest(f"max batch size must be >= 1, got {n}", param="maxBatchSize")
         with self._lock:
             self.scheduler.max_batch_size = n
+
+    def live_fields(self) -> list[str]:
+        return [BATCH_FIELD, *RETENTION_FIELDS]
+
+    def capabilities(self) -> list[str]:
+        return []
+
+    def apply_policy(self, confkv: ConfKVSection, max_batch_size: int, changed: list[str]) -> None:
+        """Everything is computed and checked first, then set between two steps (all or nothing).
+        Retention settings apply to requests admitted from now on."""
+        retention = None
+        if any(p.startswith(RETENTION_FIELDS) for p in changed):
+            try:
+                retention = config_from_section(confkv, self.retention.defaults.scorer)
+                self.retention.check(retention)
+            except ValueError as err:
+                raise PolicyRejected(f"invalid policy: {err}") from None
+        if max_batch_size < 1:
+            raise PolicyRejected(f"invalid policy: maxBatchSize must be >= 1, got {max_batch_size}")
+        with self._lock:  # the engine steps under this lock: the change lands between two steps
+            if BATCH_FIELD in changed:
+                self.scheduler.max_batch_size = max_batch_size
+            if retention is not None:
+                self.retention.set_defaults(retention)
 
     # ---- conveniences ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]],
@@ -342,7 +353,7 @@ class LLMEngine:
             tiers = self.retention.tier_bytes([(s.kv, s.policy_state) for s in self.scheduler.running])
             return EngineStats(
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                num_total_blocks=self.cache.num_blocks, num_free_blocks=self.cache.pool.num_free,
+                num_total_blocks=self.cache.num_blocks, num_free_blocks=self.cache.num_free,
                 block_size=self.cache.spec.block_size, kv_bytes_used=used,
                 kv_bytes_total=self.cache.total_bytes, kv_bytes_full=used - tiers["key_only"],
                 kv_bytes_key_only=tiers["key_only"],

@@ -8,7 +8,8 @@ front of the waiting queue, restarted from position 0 later). Waiting sequences 
 FIFO order while there is room in the batch (``max_batch_size``), the budget and the pool; nothing
 is admitted in a step that preempted.
 
-Sequences with a binding retention budget (``headroom_for`` returns a count for them) are admitted
+Sequences with a binding retention budget (the admission policy's ``reserved_headroom`` returns a
+count for them) are admitted
 against their budget, not their full length: a waiting one is admitted only while the free blocks
 cover its whole reservation plus what running reserved sequences may still take, so those never
 preempt one another. Others keep the greedy rule (first chunk fits, preemption as the fallback),
@@ -23,11 +24,23 @@ block-aligned positions takes the same decisions.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from confkv_engine.cache.kv_cache import KVCache
 from confkv_engine.core.sequence import SeqStatus, Sequence
+
+
+class AdmissionPolicy(Protocol):
+    """What the scheduler asks about a sequence beyond its length (retention's reservation)."""
+
+    def reserved_headroom(self, seq: Sequence) -> int | None:
+        """Blocks the sequence may still take from its reservation; None: not reserved (greedy)."""
+        ...
+
+    def chunk_alignment(self, seq: Sequence) -> int:
+        """Prefill chunks of the sequence end at multiples of this (unless they finish its tokens)."""
+        ...
 
 
 @dataclass
@@ -41,19 +54,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_batch_size: int, max_num_batched_tokens: int,
-                 prefill_chunk: int) -> None:
+    def __init__(self, cache: KVCache, admission: AdmissionPolicy, max_batch_size: int,
+                 max_num_batched_tokens: int, prefill_chunk: int) -> None:
         self.cache = cache
+        self.admission = admission
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
-        bs = cache.spec.block_size
-        # Align chunk ends to blocks only when a chunk can hold whole blocks.
-        self.align = bs if prefill_chunk >= bs else 1
-        # Per-sequence alignment (retention: chunks never cross a decision point); None: ``align``.
-        self.align_for: Callable[[Sequence], int] | None = None
-        # Blocks a sequence may still take from its reservation; None (or returning None): greedy.
-        self.headroom_for: Callable[[Sequence], int | None] | None = None
+        # Align chunk ends only when a chunk can hold whole blocks.
+        self.aligned = prefill_chunk >= cache.spec.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -86,7 +95,7 @@ class Scheduler:
     def chunk_size(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_uncomputed
         n = min(remaining, self.prefill_chunk, budget)
-        align = self.align_for(seq) if self.align_for is not None and self.align > 1 else self.align
+        align = self.admission.chunk_alignment(seq) if self.aligned else 1
         if 0 < n < remaining and align > 1:
             end = seq.num_computed + n
             n = end - end % align - seq.num_computed
@@ -119,10 +128,9 @@ class Scheduler:
         reservation must also leave the blocks promised to reserved ones, and the victims are the
         most recently admitted sequences without a reservation first, so reserved sequences are
         never preempted to make room for others."""
-        pool = self.cache.pool
         while True:
             hold_back = 0 if id(seq) in promised else sum(promised.values())
-            if pool.can_allocate(self.cache.blocks_needed(seq.kv, n) + hold_back):
+            if self.cache.can_allocate(self.cache.blocks_needed(seq.kv, n) + hold_back):
                 return True
             # Only sequences not yet scheduled this step (seq and those after it) can go.
             later = self.running[self.running.index(seq):]
@@ -137,17 +145,16 @@ class Scheduler:
                 return False
 
     def _headroom(self, seq: Sequence) -> int | None:
-        return self.headroom_for(seq) if self.headroom_for is not None else None
+        return self.admission.reserved_headroom(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int, promised: int) -> int:
         """Admit waiting sequences; ``promised``: blocks running reservations may still take."""
-        pool = self.cache.pool
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             n = self.chunk_size(seq, budget)
             need = self.cache.blocks_needed(seq.kv, n)
             reserved = self._headroom(seq)
-            if n == 0 or not pool.can_allocate(promised + max(need, reserved or 0)):
+            if n == 0 or not self.cache.can_allocate(promised + max(need, reserved or 0)):
                 break
             self.waiting.popleft()
             self.cache.reserve(seq.kv, n)

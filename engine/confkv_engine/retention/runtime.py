@@ -2,20 +2,21 @@
 
 ``RetentionState`` mirrors, for each K slot of every unit (layer, KV head), the token's absolute
 position, its tier and its attention accumulators, plus the per-position sampling confidence and
-the per-unit merged value of KEY_ONLY tokens. The backend (``backend.RetentionAttention``) records
-each step's queries and ``backend.score_pending`` feeds the attention probabilities of every layer
-at decision points, where ``after_step`` then applies the policy and rewrites the sequence's slots.
+the per-unit merged value of KEY_ONLY tokens. The backend (``attention.retention``) records each
+step's queries and ``scoring.score_pending`` feeds the attention probabilities of every layer at
+decision points, where the manager's ``after_step`` then applies the policy and the cache rewrites
+the sequence's slots.
 
 Slot layout once KEY_ONLY exists (every unit has the same counts, so tables stay rectangular):
 K slots ``[0, n_key)`` hold KEY_ONLY keys, ``[n_key, n)`` FULL keys (sinks and window included),
 each region in position order; V slot s still belongs to K slot s, and the V-table entries that
-cover only KEY_ONLY slots point at a shared, reference-counted *null block* instead of a real one.
+cover only KEY_ONLY slots point at the cache's reserved *null block* instead of a real one.
 Reads of those slots are replaced by the merged mean in the backend; writes never go there (new
 tokens are appended at the end). So freeing a V block is just swapping its table entry for the
 null block, and the pool's own counts stay exact.
 
-Prefix-cache rule: a block whose reference count is above one is shared (or hashed) and
-immutable; ``after_step`` never acts on a sequence that holds one (``shared_blocks``), so
+Prefix-cache rule: a block whose reference count is above one is shared and immutable; the
+manager's ``after_step`` never acts on a sequence that holds one (``KVCache.shares_blocks``), so
 retention only ever rewrites a request's private blocks.
 """
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.cache.kv_cache import KVCache
 from confkv_engine.retention import policies, scorer
 from confkv_engine.retention.policies import RetentionConfig, SlotView
 from confkv_engine.retention.tiers import KVAccounting, budget_target, is_decision_point
@@ -176,9 +177,3 @@ class RetentionState:
         if self.first_eviction is None:
             self.first_eviction = length
         return new
-
-
-def shared_blocks(cache: KVCache, seq: SeqKV, null_block: int | None) -> bool:
-    """True when the sequence holds a block someone else references (prefix cache): immutable."""
-    return any(cache.pool.ref_count(b) > 1 for b in seq.k_blocks) or any(
-        b != null_block and cache.pool.ref_count(b) > 1 for b in seq.v_blocks)

@@ -1,0 +1,64 @@
+"""The engine's side of the control plane: the typed status snapshot and the protocol the gRPC
+servicer (``control``) and the HTTP metrics (``http``) use, so neither reaches into the engine.
+
+``LLMEngine`` implements ``EngineControlTarget``; ``AsyncEngine.stats`` hands out the last snapshot
+without waiting for the engine thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from confkv_api.config import ConfKVSection
+
+#: The dotted config path of the live batch-size setting.
+BATCH_FIELD = "engine.maxBatchSize"
+#: Fields the retention manager reads when a request is admitted: live (running requests keep theirs).
+RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.sinks", "confkv.window",
+                    "confkv.budget", "confkv.budgetTokens", "confkv.budgetMode")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    block_size: int
+    kv_bytes_used: int
+    kv_bytes_total: int
+    kv_bytes_full: int
+    kv_bytes_key_only: int
+    num_preemptions: int
+    num_oom: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    num_requests_finished: int
+    prefix_cache_enabled: bool = False
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class PolicyRejected(ValueError):
+    """A policy the engine cannot apply (the message says why); nothing was changed."""
+
+
+class EngineControlTarget(Protocol):
+    """What the control plane may ask of a running engine."""
+
+    def live_fields(self) -> list[str]:
+        """Dotted camelCase config paths (or prefixes) that take effect without a restart."""
+        ...
+
+    def capabilities(self) -> list[str]:
+        """What the engine can do beyond the live fields (e.g. 'prefix-cache', 'compress')."""
+        ...
+
+    @property
+    def max_batch_size(self) -> int: ...
+
+    def apply_policy(self, confkv: ConfKVSection, max_batch_size: int, changed: list[str]) -> None:
+        """Apply the validated policy's ``changed`` live fields between two steps, all or nothing;
+        raises ``PolicyRejected`` (nothing changed) when the engine cannot take it."""
+        ...
