@@ -1,4 +1,4 @@
-"""Continuous batching on the embedded SmolLM2-135M (issue 2, 8d): eight prompts of mixed lengths
+"""Continuous batching on the embedded SmolLM2-135M: eight prompts of mixed lengths
 decoded together give the same 32 greedy tokens (fp32) as each decoded alone, also with a pool so
 small that requests are preempted and recomputed. Where tokens differ, the solo top-2 logit gap at
 the first difference must be < 1e-3 (a near-tie that batching's different float order may flip)."""
