@@ -147,6 +147,12 @@ class EvictionSection(_Model):
     k: int = Field(default=2, ge=1, le=16)
 
 
+class PrefixCacheSection(_Model):
+    """Sharing of full KV blocks across requests with the same prefix (read at start-up)."""
+
+    enabled: bool = True
+
+
 class CompressionSection(_Model):
     enabled: bool = True
     bits: Literal[8, 4] = 8
@@ -165,6 +171,7 @@ class ConfKVSection(_Model):
     budget_tokens: int | None = Field(default=None, ge=16)
     budget_mode: Literal["always", "pressure"] = "always"
     eviction: EvictionSection = EvictionSection()
+    prefix_cache: PrefixCacheSection = PrefixCacheSection()
     max_cache_size: str | None = None
     compression: CompressionSection = CompressionSection()
 

@@ -16,9 +16,15 @@ Layout:
   records the absolute position of the token in every slot, so retention can keep a different
   token set per (layer, KV head) at the same slot count and never re-rotates anything. A query sees
   exactly the slots below its own, so attention needs counts, not positions.
-- **V slot s holds the value of K slot s.** When retention drops the values of a sequence's first
-  slots (KEY_ONLY), the V-table entries that cover only such slots point at the **null block**, one
+- **V slot s holds the value of K slot s.** When retention drops the values of a run of slots
+  (KEY_ONLY), the V-table entries that cover only such slots point at the **null block**, one
   block reserved when the cache is created and never handed out; it is not counted as anyone's.
+- **Prefix cache** (``prefix.PrefixIndex``): full blocks of requests without retention are registered
+  under chained token hashes as soon as they are computed; a new request's longest cached prefix is
+  shared by reference count (``match`` then ``attach``), never copied. Shared blocks are immutable:
+  a sequence only ever writes slots past them, and ``rewrite`` refuses to touch them. Unreferenced
+  cached blocks stay in the pool, evictable in LRU-K order, and are reclaimed only when the free
+  list runs short.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.block_pool import BlockPool
+from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
+from confkv_engine.cache.eviction import LRUK
+from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
 
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
 # On CPU a fraction ("80%") means that fraction of total RAM, but never more than half of the RAM
@@ -84,6 +92,7 @@ class SeqKV:
     k_blocks: list[int] = field(default_factory=list)
     v_blocks: list[int] = field(default_factory=list)
     num_slots: int = 0  # slots used, the same in every (layer, KV head)
+    block_keys: list[bytes] = field(default_factory=list)  # chain keys of its leading full blocks
 
 
 @dataclass(frozen=True)
@@ -95,9 +104,17 @@ class WritePlan:
 
 
 class KVCache:
-    def __init__(self, spec: CacheSpec, num_blocks: int) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, prefix_salt: bytes | None = None,
+                 eviction_k: int = 2) -> None:
+        """``prefix_salt``: None turns the prefix cache off; else it names what changes stored K/V
+        besides the tokens (model, dtype), so two models never share an entry."""
         self.spec = spec
         self.pool = BlockPool(num_blocks)
+        salt = None if prefix_salt is None else prefix_salt + f"|{spec.dtype}|{spec.block_size}".encode()
+        self.prefix = None if salt is None else PrefixIndex(salt)
+        self.eviction = LRUK(eviction_k)
+        self.hits = HitCounter()
+        self._clock = 0  # one tick per prefix lookup that admits a request
         bs, h, d = spec.block_size, spec.num_kv_heads, spec.head_dim
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
@@ -108,13 +125,14 @@ class KVCache:
         self.null_block = self.pool.allocate(1)[0]
 
     @classmethod
-    def from_budget(cls, spec: CacheSpec, budget_bytes: int) -> KVCache:
+    def from_budget(cls, spec: CacheSpec, budget_bytes: int, prefix_salt: bytes | None = None,
+                    eviction_k: int = 2) -> KVCache:
         num_blocks = budget_bytes // spec.block_bytes
         if num_blocks < 3:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes holds {num_blocks} blocks of "
                 f"{spec.block_bytes} bytes; at least 3 are needed (raise maxCacheSize)")
-        return cls(spec, int(num_blocks))
+        return cls(spec, int(num_blocks), prefix_salt, eviction_k)
 
     # ---- capacity --------------------------------------------------------------------------
     @property
@@ -124,7 +142,13 @@ class KVCache:
 
     @property
     def num_free(self) -> int:
-        return self.pool.num_free
+        """Blocks an allocation can get now: the free list plus evictable cached blocks."""
+        return self.pool.num_free + 2 * len(self.eviction)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Pool blocks the prefix index holds (in use or evictable)."""
+        return 2 * len(self.prefix) if self.prefix is not None else 0
 
     @property
     def total_bytes(self) -> int:
@@ -135,7 +159,7 @@ class KVCache:
         return (self.pool.num_used - 1) * self.spec.block_bytes
 
     def can_allocate(self, n: int) -> bool:
-        return self.pool.can_allocate(n)
+        return n <= self.num_free
 
     def held_blocks(self, seq: SeqKV) -> int:
         """Pool blocks the sequence holds (K and V tables; null entries are nobody's)."""
@@ -165,16 +189,91 @@ class KVCache:
         """Allocate the blocks for ``num_new`` more slots (raises NoFreeBlocks, allocating nothing)."""
         per_table = -(-(seq.num_slots + num_new) // self.spec.block_size)
         need_k, need_v = max(0, per_table - len(seq.k_blocks)), max(0, per_table - len(seq.v_blocks))
-        blocks = self.pool.allocate(need_k + need_v)
+        blocks = self._allocate(need_k + need_v)
         seq.k_blocks.extend(blocks[:need_k])
         seq.v_blocks.extend(blocks[need_k:])
 
     def free(self, seq: SeqKV) -> None:
-        """Return every block of the sequence to the pool (K table first, then V) and reset it."""
-        self._clear_positions(seq.k_blocks)
+        """Drop the sequence's references (K table first, then V) and reset it. Its blocks the prefix
+        index holds stay cached and become evictable, the chain's tail first."""
+        private = [b for b in seq.k_blocks if self.pool.ref_count(b) == 1]
+        self._clear_positions(private)
         self.pool.free(seq.k_blocks)
         self.pool.free([b for b in seq.v_blocks if b != self.null_block])
-        seq.k_blocks, seq.v_blocks, seq.num_slots = [], [], 0
+        for i in reversed(range(len(seq.block_keys))):
+            entry = self.prefix.get(seq.block_keys[i]) if self.prefix is not None else None
+            mine = entry is not None and entry.k_block == seq.k_blocks[i]
+            if mine and self.pool.ref_count(entry.k_block) == 1:
+                self.eviction.release(entry.key)
+        seq.k_blocks, seq.v_blocks, seq.num_slots, seq.block_keys = [], [], 0, []
+
+    def _allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the free list, evicting cached blocks (LRU-K order) when it runs short."""
+        if n > self.num_free:
+            raise NoFreeBlocks(f"need {n} blocks, {self.num_free} free or evictable of {self.num_blocks}")
+        while self.pool.num_free < n:
+            self._evict_one()
+        return self.pool.allocate(n)
+
+    def _evict_one(self) -> None:
+        key = self.eviction.victim()
+        if key is None or self.prefix is None:
+            raise NoFreeBlocks("no evictable cached block")
+        entry = self.prefix.remove(key)
+        self._clear_positions([entry.k_block])
+        self.pool.free([entry.k_block, entry.v_block])
+        self.eviction.forget(key)
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def match(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
+        """The cached blocks covering the longest prefix of ``tokens`` (no side effects)."""
+        if self.prefix is None or max_blocks <= 0:
+            return []
+        return self.prefix.match(tokens, self.spec.block_size, max_blocks)
+
+    def evictable_among(self, entries: list[CachedBlock]) -> int:
+        """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
+        return 2 * sum(1 for e in entries if e.key in self.eviction)
+
+    def attach(self, seq: SeqKV, entries: list[CachedBlock], queried_tokens: int) -> int:
+        """Share ``entries`` as the start of an empty sequence; returns the tokens they cover."""
+        if seq.num_slots or seq.k_blocks:
+            raise ValueError("a prefix attaches to an empty sequence only")
+        self._clock += 1
+        for e in entries:
+            self.pool.incref([e.k_block, e.v_block])
+            self.eviction.acquire(e.key)
+            self.eviction.touch(e.key, self._clock)
+        seq.k_blocks = [e.k_block for e in entries]
+        seq.v_blocks = [e.v_block for e in entries]
+        seq.block_keys = [e.key for e in entries]
+        seq.num_slots = len(entries) * self.spec.block_size
+        if queried_tokens:
+            self.hits.record(queried_tokens, seq.num_slots)
+        return seq.num_slots
+
+    def register(self, seq: SeqKV, tokens: list[int]) -> int:
+        """Register the sequence's full blocks not yet keyed (``tokens``: the tokens of its slots, which
+        hold them unchanged). A block whose key another request registered first stays private."""
+        if self.prefix is None:
+            return 0
+        bs, added = self.spec.block_size, 0
+        for b in range(len(seq.block_keys), min(seq.num_slots, len(tokens)) // bs):
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            block_tokens = tuple(tokens[b * bs:(b + 1) * bs])
+            key = block_key(parent, self.prefix.salt, block_tokens)
+            seq.block_keys.append(key)
+            if key in self.prefix or seq.v_blocks[b] == self.null_block:
+                continue
+            self.prefix.insert(CachedBlock(key, parent, block_tokens, seq.k_blocks[b], seq.v_blocks[b]))
+            self.pool.incref([seq.k_blocks[b], seq.v_blocks[b]])
+            self.eviction.touch(key, self._clock)
+            added += 1
+        return added
+
+    def set_eviction_k(self, k: int) -> None:
+        """Live LRU-K change: cached blocks and their history stay."""
+        self.eviction.set_k(k)
 
     def _clear_positions(self, blocks: list[int]) -> None:
         if blocks:
@@ -218,13 +317,16 @@ class KVCache:
         idx = self.slot_index(seq.v_blocks, torch.arange(seq.num_slots, device=self.kv.device))
         return self.kv_flat[:, idx].permute(0, 2, 1, 3).float().cpu()
 
-    def rewrite(self, seq: SeqKV, order: Tensor, n_key: int) -> int:
-        """Keep, per (layer, KV head), the slots ``order[L, Hkv, n_new]`` lists, moved to the front in that
-        order; the first ``n_key`` keep only their keys (their V-table entries become the null block
-        where a whole block is covered). Tail blocks go back to the pool now; returns blocks freed (net)."""
+    def rewrite(self, seq: SeqKV, order: Tensor, n_key: int, base: int = 0) -> int:
+        """Keep, per (layer, KV head), the slots ``order[L, Hkv, n_new]`` lists, in that order. The
+        first ``base`` slots (a shared prefix, whole blocks) must be listed in place and are left
+        untouched; slots ``[base, base + n_key)`` keep only their keys (V-table entries wholly inside
+        become the null block). Tail blocks go back to the pool now; returns blocks freed (net)."""
         spec, dev, bs = self.spec, self.kv.device, self.spec.block_size
         n_new = order.shape[-1]
-        src = order.to(dev)
+        if base % bs or any(self.pool.ref_count(b) > 1 for b in seq.k_blocks[base // bs:]):
+            raise ValueError("retention may rewrite only a sequence's private blocks after its prefix")
+        src = order[..., base:].to(dev)
         layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
         head = torch.arange(spec.num_kv_heads, device=dev)[None, :, None]
         k_src = self.slot_index(seq.k_blocks, src)
@@ -237,9 +339,9 @@ class KVCache:
         del seq.k_blocks[nb:], seq.v_blocks[nb:]
         self._clear_positions(tail_k)
         self.pool.free(tail_k + [b for b in tail_v if b != self.null_block])
-        self._set_null_entries(seq, n_key // bs)
+        self._set_null_entries(seq, base // bs, (base + n_key) // bs)
 
-        dst = torch.arange(n_new, device=dev).expand_as(src)
+        dst = torch.arange(base, n_new, device=dev).expand_as(src)
         k_dst = self.slot_index(seq.k_blocks, dst)
         self.kv_flat[layer, k_dst, head] = keys
         self.kv_flat[layer, self.slot_index(seq.v_blocks, dst[..., n_key:]), head] = vals
@@ -250,12 +352,13 @@ class KVCache:
         seq.num_slots = n_new
         return held_before - self.held_blocks(seq)
 
-    def _set_null_entries(self, seq: SeqKV, hole: int) -> None:
-        """V-table entries below ``hole`` become the null block; the others real blocks."""
-        for i, block in enumerate(seq.v_blocks):
+    def _set_null_entries(self, seq: SeqKV, start: int, hole: int) -> None:
+        """V-table entries in ``[start, hole)`` become the null block; those after it real blocks."""
+        for i in range(start, len(seq.v_blocks)):
+            block = seq.v_blocks[i]
             is_null = block == self.null_block
             if i < hole and not is_null:
                 self.pool.free([block])
                 seq.v_blocks[i] = self.null_block
             elif i >= hole and is_null:
-                seq.v_blocks[i] = self.pool.allocate(1)[0]
+                seq.v_blocks[i] = self._allocate(1)[0]

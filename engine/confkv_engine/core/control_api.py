@@ -36,8 +36,10 @@ class EngineStats:
     generated_tokens_total: int
     num_requests_finished: int
     prefix_cache_enabled: bool = False
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
+    prefix_queried_tokens: int = 0  # prompt tokens looked up at first admission (cumulative)
+    prefix_hit_tokens: int = 0  # of those, served from the prefix cache (cumulative)
+    prefix_hit_ratio_window: float | None = None  # hit / queried over the last 5 minutes; None: no lookups
+    kv_bytes_evictable: int = 0  # cached blocks nobody references: reclaimable at once
 
 
 class PolicyRejected(ValueError):

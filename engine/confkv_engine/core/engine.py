@@ -70,7 +70,12 @@ class LLMEngine:
         spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size,
                          self.dtype, self.device)
         size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
-        self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device))
+        ev = config.confkv.eviction
+        # The salt names what changes the stored K/V besides the tokens (dtype is added by the cache).
+        salt = f"{getattr(loaded, 'name', '')}|{args}".encode()
+        salt = salt if config.confkv.prefix_cache.enabled else None
+        self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device), prefix_salt=salt,
+                                         eviction_k=ev.k if ev.policy == "LRU-K" else 1)
         # Token-level retention (conf-kv and its peers); ``retention`` overrides the confkv section.
         self.retention = RetentionManager(self.cache, args.num_heads,
                                           retention or config_from_section(config.confkv), eng.prefill_chunk)
@@ -225,6 +230,8 @@ class LLMEngine:
     def _advance(self, seq: Sequence, n: int, result: tuple[int, Any] | None) -> None:
         was_prefill = seq.num_computed < seq.prompt_len
         seq.num_computed += n
+        if seq.retention is None:
+            self._register(seq)
         seq.peak_kv_bytes = max(seq.peak_kv_bytes, self.retention.held_bytes(seq.kv, seq.policy_state))
         if was_prefill and seq.num_computed >= seq.prompt_len and not seq.prompt_counted:
             seq.prompt_counted = True
@@ -260,9 +267,17 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_time = time.time()
         seq.final_slots = seq.kv.num_slots
+        if seq.policy_state is not None and seq.policy_state.may_register_hash():
+            self._register(seq)  # a retained request whose tiers never changed: its blocks are exact
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
         self.num_finished += 1
+
+    def _register(self, seq: Sequence) -> None:
+        """Offer the sequence's newly filled blocks to the prefix cache (its slots hold positions
+        0..num_slots-1 unchanged)."""
+        if seq.kv.num_slots // self.cache.spec.block_size > len(seq.kv.block_keys):
+            self.cache.register(seq.kv, seq.token_slice(0, seq.kv.num_slots))
 
     def _recover_from_oom(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """Drop the step's caches and recompute later; fail a sequence after repeated OOMs."""
@@ -360,4 +375,8 @@ class LLMEngine:
                 num_preemptions=self.scheduler.num_preemptions, num_oom=self.num_oom,
                 prompt_tokens_total=self.prompt_tokens_total,
                 generated_tokens_total=self.generated_tokens_total,
-                num_requests_finished=self.num_finished)
+                num_requests_finished=self.num_finished,
+                prefix_cache_enabled=self.cache.prefix is not None,
+                prefix_queried_tokens=self.cache.hits.queried, prefix_hit_tokens=self.cache.hits.hit,
+                prefix_hit_ratio_window=self.cache.hits.window_ratio(),
+                kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes)

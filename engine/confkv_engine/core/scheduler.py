@@ -16,9 +16,11 @@ preempt one another. Others keep the greedy rule (first chunk fits, preemption a
 but never take blocks promised to reserved sequences: they grow only while the free blocks cover
 the promised ones too, and when room is short the victims are unreserved sequences first.
 
-Prefill chunks end at multiples of ``block_size`` (unless they finish the known tokens), so a
-replay after preemption runs the same chunk boundaries and a retention policy acting at
-block-aligned positions takes the same decisions.
+At admission a sequence shares the longest cached prefix of its tokens (whole blocks, by reference
+count) and starts computing after it; the shared blocks count against the pool only when taking
+them removes evictable blocks. Prefill chunks end at multiples of ``block_size`` (unless they
+finish the known tokens), so a replay after preemption runs the same chunk boundaries and a
+retention policy acting at block-aligned positions takes the same decisions.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from confkv_engine.cache.kv_cache import KVCache
+from confkv_engine.cache.prefix import CachedBlock
 from confkv_engine.core.sequence import SeqStatus, Sequence
 
 
@@ -72,9 +75,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def requeue_front(self, seq: Sequence) -> None:
-        """Free the sequence's cache and put it first in line (recompute from position 0)."""
+        """Free the sequence's cache and put it first in line (recompute from position 0; its
+        retention state goes too, so the replay decides everything again)."""
         self._release(seq)
         seq.num_computed = 0
+        seq.policy_state = None
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -92,13 +97,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def chunk_size(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_uncomputed
+    def chunk_size(self, seq: Sequence, budget: int, start: int | None = None) -> int:
+        """Tokens to run for ``seq`` this step, from ``start`` (default: what it has computed)."""
+        start = seq.num_computed if start is None else start
+        remaining = seq.num_tokens - start
         n = min(remaining, self.prefill_chunk, budget)
         align = self.admission.chunk_alignment(seq) if self.aligned else 1
         if 0 < n < remaining and align > 1:
-            end = seq.num_computed + n
-            n = end - end % align - seq.num_computed
+            end = start + n
+            n = end - end % align - start
         return max(n, 0)
 
     def schedule(self) -> SchedulerOutput:
@@ -144,19 +151,39 @@ class Scheduler:
             if victim is seq:
                 return False
 
+    def _prefix_hits(self, seq: Sequence) -> list[CachedBlock]:
+        """The cached blocks a waiting sequence may share. Never its last token (its logits are
+        needed), never for prompt logprobs (every prompt row is computed; documented in the README),
+        and a retained sequence's replay never shares more than it did at first admission (its
+        protected prefix, so its decisions replay exactly)."""
+        if self.cache.prefix is None or seq.wants_prompt_logprobs:
+            return []
+        limit = (seq.num_tokens - 1) // self.cache.spec.block_size
+        if seq.retention is not None and seq.admitted:
+            limit = min(limit, seq.prefix_len // self.cache.spec.block_size)
+        return self.cache.match(seq.token_slice(0, seq.num_tokens), limit)
+
     def _headroom(self, seq: Sequence) -> int | None:
         return self.admission.reserved_headroom(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int, promised: int) -> int:
         """Admit waiting sequences; ``promised``: blocks running reservations may still take."""
+        bs = self.cache.spec.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            n = self.chunk_size(seq, budget)
-            need = self.cache.blocks_needed(seq.kv, n)
+            hits = self._prefix_hits(seq)
+            start = len(hits) * bs
+            n = self.chunk_size(seq, budget, start)
+            need = 2 * (-(-(start + n) // bs) - len(hits))
             reserved = self._headroom(seq)
-            if n == 0 or not self.cache.can_allocate(promised + max(need, reserved or 0)):
+            taken = self.cache.evictable_among(hits)  # shared now, so no longer reclaimable
+            if n == 0 or not self.cache.can_allocate(promised + max(need, reserved or 0) + taken):
                 break
             self.waiting.popleft()
+            first = not seq.admitted
+            seq.num_computed = self.cache.attach(seq.kv, hits, seq.prompt_len if first else 0)
+            if first:
+                seq.admitted, seq.prefix_len = True, seq.num_computed
             self.cache.reserve(seq.kv, n)
             promised += max(0, (reserved or 0) - need)
             seq.status = SeqStatus.RUNNING

@@ -54,6 +54,8 @@ class Sequence:
     # None: the full cache. A live policy change never alters it.
     retention: RetentionConfig | None = None
     policy_state: RetentionState | None = None  # owned by the retention manager (scores, means...)
+    admitted: bool = False  # admitted at least once (a replay after preemption keeps its first prefix)
+    prefix_len: int = 0  # prompt tokens served by the prefix cache at first admission
 
     @property
     def prompt_len(self) -> int:

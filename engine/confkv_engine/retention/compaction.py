@@ -1,10 +1,11 @@
 """Apply new tiers to a sequence: merge the demoted values, then have the cache rewrite its slots.
 
-Per unit the surviving slots are rewritten as ``[KEY_ONLY by position][FULL by position]`` (the
-layout ``runtime`` describes). The merge of demoted values into the unit's running mean reads the
-values before the cache moves anything; ``KVCache.rewrite`` then reorders the slots, returns the
-tail blocks to the pool and points the V-table entries that now cover only KEY_ONLY slots at the
-null block, so the next step can use the freed blocks.
+Per unit the surviving slots are rewritten as ``[shared prefix][KEY_ONLY by position][FULL by
+position]`` (the layout ``runtime`` describes; the shared prefix is never moved). The merge of
+demoted values into the unit's running mean reads the values before the cache moves anything;
+``KVCache.rewrite`` then reorders the slots, returns the tail blocks to the pool and points the
+V-table entries that now cover only KEY_ONLY slots at the null block, so the next step can use
+the freed blocks.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ def apply_tiers(cache: KVCache, seq: SeqKV, state: RetentionState, new: Tensor) 
     n_key = _uniform_count(new == Tier.KEY_ONLY)
     n_new = _uniform_count(new != Tier.DISCARD)
     _merge_demoted(cache, seq, state, new)
-    code = torch.where(new == Tier.KEY_ONLY, 0, torch.where(new == Tier.FULL, 1, 2)).long()
+    # Slot order: the shared prefix in place, then KEY_ONLY, then FULL, each by position.
+    code = torch.where(new == Tier.KEY_ONLY, 1, torch.where(new == Tier.FULL, 2, 3)).long()
+    code = torch.where(state.pos < state.base, 0, code)
     order = (code * (1 << 40) + state.pos).argsort(dim=-1)[..., :n_new]  # [L, Hkv, n_new]
-    freed = cache.rewrite(seq, order, n_key)
+    freed = cache.rewrite(seq, order, n_key, state.base)
     state.pos, state.tiers = state.pos.gather(-1, order), new.gather(-1, order)
     state.acc, state.norm = state.acc.gather(-1, order), state.norm.gather(-1, order)
     state.n_key = n_key

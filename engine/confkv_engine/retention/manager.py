@@ -62,6 +62,7 @@ class RetainedRequest(Protocol):
     kv: SeqKV
     retention: RetentionConfig | None
     num_computed: int
+    prefix_len: int  # tokens served from the prefix cache when the request was first admitted
     policy_state: RetentionState | None
 
     @property
@@ -137,19 +138,23 @@ class RetentionManager:
         full = seq.retention is None or seq.retention.policy == "full"
         return self.cache.spec.block_size if full else self.interval
 
-    def new_state(self, cfg: RetentionConfig) -> RetentionState | None:
+    def new_state(self, cfg: RetentionConfig, shared_slots: int = 0,
+                  protect: int = 0) -> RetentionState | None:
+        """A fresh state. ``shared_slots``: the sequence's first slots, shared through the prefix cache
+        (immutable); ``protect``: positions kept FULL (the prefix shared at first admission)."""
         if cfg.policy == "full":
             return None
         spec = self.cache.spec
         return RetentionState(cfg=cfg, acct=accounting(self.cache, cfg), num_layers=spec.num_layers,
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, group=self.group,
-                              interval=self.interval)
+                              interval=self.interval, base=shared_slots, protect=max(protect, shared_slots))
 
     def prepare(self, seq: RetainedRequest) -> RetentionState | None:
-        """The state of a request about to run; a fresh one when it (re)starts at 0 (first run, or
-        replay after preemption: the replay recomputes every decision under the same config)."""
-        if seq.num_computed == 0:
-            seq.policy_state = None if seq.retention is None else self.new_state(seq.retention)
+        """The state of a request about to run; a fresh one when it (re)starts (first run, or replay
+        after preemption, which drops the state: the replay recomputes every decision under the same
+        config and the same protected prefix)."""
+        if seq.policy_state is None and seq.retention is not None:
+            seq.policy_state = self.new_state(seq.retention, seq.kv.num_slots, seq.prefix_len)
         return seq.policy_state
 
     def usage(self, seq: RetainedRequest) -> KVUsage:
@@ -185,8 +190,6 @@ class RetentionManager:
         state.peak_bytes = max(state.peak_bytes, self.held_bytes(seq, state))
         if is_decision_point(num_computed, self.interval):
             score_pending(self.cache, seq, state)  # before the policy reads the accumulators
-        if self.cache.shares_blocks(seq):
-            return 0  # prefix-cache rule: shared blocks are immutable
         new = state.decide(num_computed, self.under_pressure())
         if new is None:
             return 0

@@ -22,7 +22,7 @@ retention only ever rewrites a request's private blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -72,13 +72,22 @@ class RetentionState:
     prev_window: int | None = None  # recent window at the previous decision
     q_ring: list[list[Tensor]] = field(init=False)  # per layer: queries since the last decision
     q_ring_pos: list[Tensor] = field(default_factory=list)  # their positions, one tensor per step
+    # Slots [0, base) hold a prefix shared through the prefix cache when the state was created:
+    # immutable and never moved; KEY_ONLY slots are [base, base + n_key). Positions below ``protect``
+    # (the prefix the request shared when it was first admitted; >= base) are always FULL: the
+    # policies see them as sinks, so a replay that recomputes part of the prefix decides alike.
+    base: int = 0
+    protect: int = 0
 
     def __post_init__(self) -> None:
-        shape = (self.num_layers, self.num_kv_heads, 0)
-        self.pos = torch.zeros(shape, dtype=torch.long)
+        shape = (self.num_layers, self.num_kv_heads, self.base)
+        self.pos = torch.arange(self.base, dtype=torch.long).expand(shape).contiguous()
         self.tiers = torch.zeros(shape, dtype=torch.int8)
         self.acc = torch.zeros(shape, dtype=torch.float32)
         self.norm = torch.zeros(shape, dtype=torch.float32)
+        if max(self.base, self.protect) > self.cfg.tiers.sinks:
+            sinks = max(self.base, self.protect)
+            self.cfg = replace(self.cfg, tiers=replace(self.cfg.tiers, sinks=sinks))
         self.v_mean = torch.zeros(self.num_layers, self.num_kv_heads, self.head_dim)
         self.v_weight = torch.zeros(self.num_layers, self.num_kv_heads)
         self.last_query = [-1] * self.num_layers
@@ -155,7 +164,8 @@ class RetentionState:
         return SlotView(pos=self.pos.reshape(-1, n), tiers=self.tiers.reshape(-1, n),
                         acc=self.acc.reshape(-1, n), norm=self.norm.reshape(-1, n),
                         c_samp=c[self.pos].reshape(-1, n), length=length, prev_length=self.prev_decision,
-                        group=self.group, prev_window=self.prev_window, heads=self.num_kv_heads)
+                        group=self.group, prev_window=self.prev_window, heads=self.num_kv_heads,
+                        fixed=max(self.base, self.protect))
 
     def target_bytes(self, length: int, under_pressure: bool) -> int:
         cfg = self.cfg
