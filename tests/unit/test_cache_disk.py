@@ -12,7 +12,7 @@ import pytest
 
 from confkv_engine.cache.disk import DiskStore, admit_reused
 from confkv_engine.cache.disk_format import PREFIX, encode_header, record_name
-from confkv_engine.cache.disk_scan import select_hot_chains
+from confkv_engine.cache.disk_policy import select_hot_chains
 
 PAYLOAD = 1000
 

@@ -142,11 +142,14 @@ class BlockIndex:
         self._conn().execute(f"INSERT OR REPLACE INTO blocks ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
                              row.params())
 
-    def touch(self, key: bytes, tick: int) -> bool:
-        cur = self._conn().execute(
-            "UPDATE blocks SET hits = hits + 1, prev_access = last_access, last_access = ? WHERE key = ?",
-            (tick, key))
-        return cur.rowcount > 0
+    def touch_many(self, accesses: Iterable[tuple[bytes, int, int, int | None]]) -> None:
+        """Apply buffered accesses (key, count, last tick, previous tick or None = the stored last)."""
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(
+            "UPDATE blocks SET hits = hits + ?, prev_access = COALESCE(?, last_access), last_access = ?"
+            " WHERE key = ?", ((n, prev, last, key) for key, n, last, prev in accesses))
+        conn.execute("COMMIT")
 
     def delete(self, key: bytes, gen: int | None = None) -> int:
         """Delete a row (only the version ``gen`` when given); returns the bytes it recorded, or 0."""

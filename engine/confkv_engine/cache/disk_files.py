@@ -1,8 +1,9 @@
-"""The disk tier's log scan (rebuild) and the choice of hot chains for warm-up.
+"""Record files of the disk tier: write one, read one, scan them all (the log a rebuild reads).
 
-``scan_blocks`` reads every record file's header (and, when asked, its whole payload) and deletes
-what cannot be served: temporary files of interrupted puts (``orphans``) and record files that are
-torn, corrupt, misnamed or of another format version (``skipped``). ``select_hot_chains`` is pure.
+``write_record`` writes a temporary file, fsyncs it and renames it into place, so a record file is
+complete or absent. ``scan_blocks`` reads every record file's header (and, when asked, its whole
+payload) and deletes what cannot be served: temporary files of interrupted puts (``orphans``) and
+record files that are torn, corrupt, misnamed or of another format version (``skipped``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from confkv_engine.cache.disk_format import (
     DIGEST_BYTES,
     PREFIX,
     TEMP_SUFFIX,
+    Bytes,
     CorruptRecord,
     RecordHeader,
     body_length,
@@ -28,6 +30,43 @@ from confkv_engine.cache.disk_format import (
 
 log = logging.getLogger(__name__)
 READ_CHUNK = 1 << 20
+
+
+def record_path(blocks_dir: Path, key: bytes) -> Path:
+    sub, name = record_name(key)
+    return blocks_dir / sub / name
+
+
+def write_record(blocks_dir: Path, key: bytes, header: bytes, payload: Bytes, tmp_tag: str, *,
+                 durable: bool) -> None:
+    """Write a record file atomically (``tmp_tag`` makes the temporary name unique to the writer)."""
+    final = record_path(blocks_dir, key)
+    tmp = final.with_name(f"{final.name}.{tmp_tag}{TEMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        # Small records go out in one write; large ones without copying the payload.
+        chunks = ([memoryview(header + bytes(payload))] if len(payload) < 65536
+                  else [memoryview(header), memoryview(payload).cast("B")])
+        for chunk in chunks:
+            while chunk:
+                chunk = chunk[os.write(fd, chunk):]
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, final)
+
+
+def read_record(blocks_dir: Path, key: bytes) -> bytes | None:
+    """A record file's bytes, or None when it does not exist (evicted after the index lookup)."""
+    try:
+        with open(record_path(blocks_dir, key), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 @dataclass
@@ -78,37 +117,3 @@ def scan_blocks(blocks_dir: Path, verify_payloads: bool) -> ScanResult:
                     path.unlink(missing_ok=True)
                 result.skipped += 1
     return result
-
-
-def _chain(key: bytes, nodes: dict[bytes, tuple[bytes | None, int, int]]) -> list[bytes]:
-    chain = [key]
-    while (parent := nodes[chain[-1]][0]) is not None:
-        chain.append(parent)
-    return chain[::-1]
-
-
-def select_hot_chains(nodes: dict[bytes, tuple[bytes | None, int, int]], n: int) -> list[list[bytes]]:
-    """Up to ``n`` chains (root first) to prefill, from ``nodes[key] = (parent, depth, hits)``.
-
-    A chain ending at a block is worth ``hits x depth`` (prompt blocks its hits would have saved);
-    chains are taken best first, a chain that is a prefix of a chosen one adds nothing and is
-    skipped, and a chain that extends a chosen one replaces it (prefilling it caches both). Every
-    node's parent must be in ``nodes`` (only rooted chains are given). Blocks never hit are not hot.
-    """
-    order = sorted((k for k, (_p, _d, hits) in nodes.items() if hits > 0),
-                   key=lambda k: (-nodes[k][2] * nodes[k][1], -nodes[k][1], k))
-    chosen: list[list[bytes]] = []
-    covered: set[bytes] = set()  # every block on a chosen chain
-    for key in order:
-        if key in covered:
-            continue
-        chain = _chain(key, nodes)
-        extended = [i for i, c in enumerate(chosen) if c[-1] in set(chain)]
-        if extended:
-            chosen[extended[0]] = chain
-        elif len(chosen) < n:
-            chosen.append(chain)
-        else:
-            continue
-        covered.update(chain)
-    return chosen
