@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from confkv_engine.cache.disk import DiskStore, admit_reused
+from confkv_engine.cache.disk import DiskStore, admit_reused, capacity_from_volume
 from confkv_engine.cache.disk_format import PREFIX, encode_header, record_name
 from confkv_engine.cache.disk_policy import select_hot_chains
 
@@ -86,6 +86,8 @@ def test_bad_arguments_get_clear_errors(tmp_path: Path) -> None:
             store.put(b"k", None, [-1], b"x")
         with pytest.raises(ValueError, match="JSON"):
             store.put(b"k", None, [1], b"x", {"bad": object()})
+        with pytest.raises(ValueError, match="uses must be"):
+            store.put(b"k", None, [1], b"x", uses=-1)
         assert store.stats().records == 0
         with pytest.raises(RuntimeError, match="in use by another disk store"):
             DiskStore(tmp_path, 1000)
@@ -209,6 +211,33 @@ def test_reopen_after_damage_and_a_corrupt_index(tmp_path: Path) -> None:
         served = {i: store.get(key(i)) for i in range(10)}
         assert {i for i, r in served.items() if r is not None} == {0, 6, 7, 8, 9}
         assert all(r.payload == payload(i) for i, r in served.items() if r is not None)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero the header page"])
+def test_a_torn_index_is_recreated_from_the_records(tmp_path: Path, damage: str) -> None:
+    with open_store(tmp_path) as store:
+        for i in range(5):
+            put(store, i)
+    index = tmp_path / "index.sqlite3"
+    if damage == "truncate":
+        os.truncate(index, index.stat().st_size // 2)
+    else:
+        with open(index, "r+b") as f:
+            f.write(bytes(100))
+    with open_store(tmp_path) as store:
+        assert store.last_rebuild.index_recreated and store.last_rebuild.records == 5
+        assert all(store.get(key(i)).payload == payload(i) for i in range(5))  # type: ignore[union-attr]
+
+
+def test_capacity_from_the_volume(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="share of its volume"):
+        capacity_from_volume(tmp_path, 0)
+    with pytest.raises(ValueError, match="share of its volume"):
+        capacity_from_volume(tmp_path, 1.5)
+    with open_store(tmp_path) as store:
+        put(store, 0)
+        used = store.stats().bytes_used
+    assert capacity_from_volume(tmp_path, 0.5) > used * 0.5 > 0
 
 
 def test_verify_on_open_catches_payload_rot(tmp_path: Path) -> None:

@@ -50,7 +50,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confkv_engine.cache.disk_files import ScanResult, read_record, record_path, scan_blocks, write_record
+from confkv_engine.cache.disk_files import (
+    ScanResult,
+    capacity_from_volume,
+    read_record,
+    record_path,
+    scan_blocks,
+    write_record,
+)
 from confkv_engine.cache.disk_format import Bytes, CorruptRecord, decode_record, encode_header
 from confkv_engine.cache.disk_index import BlockIndex, IndexRow
 from confkv_engine.cache.disk_policy import (
@@ -64,7 +71,7 @@ from confkv_engine.cache.disk_policy import (
 
 log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_ADMISSION", "AdmissionRule", "DiskRecord", "DiskStats", "DiskStore", "RebuildReport",
-           "admit_reused"]
+           "admit_reused", "capacity_from_volume"]
 
 EVICT_BATCH = 32
 # Accesses are buffered and written in one transaction: a commit per hit cost about 40% of a
@@ -139,7 +146,11 @@ class DiskStore:
         self._lock_fd = self._lock_directory()
         self._index = BlockIndex(self.directory / "index.sqlite3")
         self._closed = False
-        self.last_rebuild = self.rebuild(verify_payloads=verify_on_open)
+        try:
+            self.last_rebuild = self.rebuild(verify_payloads=verify_on_open)
+        except BaseException:
+            self.close()
+            raise
 
     def _lock_directory(self) -> int:
         for sub in [f"{i:02x}" for i in range(256)]:
@@ -154,10 +165,11 @@ class DiskStore:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def put(self, key: bytes, parent: bytes | None, token_ids: Sequence[int],
-            payload: Bytes, meta: dict[str, Any] | None = None, *,
-            uses: int = 1) -> bool:
+    def put(self, key: bytes, parent: bytes | None, token_ids: Sequence[int], payload: Bytes,
+            meta: dict[str, Any] | None = None, *, uses: int = 1) -> bool:
         """Spill one block; True when it is now on disk. ``uses``: times the block was used in memory."""
+        if uses < 0:
+            raise ValueError(f"uses must be >= 0, got {uses}")
         header, digest = encode_header(key, parent, token_ids, payload, meta)
         size = len(header) + len(payload)
         if not self._reserve(key, uses, size):
@@ -350,8 +362,8 @@ class DiskStore:
                 self._rebuilding = False
 
     def _install(self, scan: ScanResult) -> RebuildReport:
-        self._flush_touches()
         recreated = not self._index.open()  # an unusable index file is replaced by an empty one
+        self._flush_touches()
         old = self._index.access_stats()
         rows = []
         for h in scan.headers:

@@ -12,12 +12,14 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from confkv_engine.cache.disk_format import (
     DIGEST_BYTES,
     PREFIX,
+    RECORD_SUFFIX,
     TEMP_SUFFIX,
     Bytes,
     CorruptRecord,
@@ -30,6 +32,16 @@ from confkv_engine.cache.disk_format import (
 
 log = logging.getLogger(__name__)
 READ_CHUNK = 1 << 20
+
+
+def capacity_from_volume(directory: Path, fraction: float = 0.9) -> int:
+    """A byte cap for a store in ``directory``: ``fraction`` of the volume's free space plus what
+    record files there already use (so reopening a full store does not shrink it)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the disk tier's share of its volume must be in (0, 1], got {fraction}")
+    directory.mkdir(parents=True, exist_ok=True)
+    used = sum(p.stat().st_size for p in (directory / "blocks").rglob(f"*{RECORD_SUFFIX}"))
+    return int(fraction * (shutil.disk_usage(directory).free + used))
 
 
 def record_path(blocks_dir: Path, key: bytes) -> Path:
