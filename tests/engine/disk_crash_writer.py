@@ -16,6 +16,7 @@ from confkv_engine.cache.disk import DiskStore
 
 CAPACITY = 768 * 1024  # small, so that eviction runs all the time
 CHAIN = 4  # every 4th block starts a new chain
+REBUILD_EVERY = 25
 
 
 def block_key(seed: int, i: int) -> bytes:
@@ -46,6 +47,8 @@ def main(directory: str, seed: int) -> None:
                   {"seed": seed, "i": i})
         if i and rng.random() < 0.3:
             store.get(block_key(seed, rng.randrange(i)))
+        if i % REBUILD_EVERY == REBUILD_EVERY - 1:  # so that some kills land inside a rebuild
+            store.rebuild(verify_payloads=rng.random() < 0.5)
         i += 1
 
 

@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import threading
+from array import array
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,16 @@ def test_round_trip_and_reopen_keeps_records_and_hits(tmp_path: Path) -> None:
         rec = store.get(key(1))
         assert rec is not None and rec.payload == payload(1) and rec.hits == 2
         assert sorted(store.keys()) == sorted([key(0), key(1)])
+
+
+def test_payload_may_be_any_contiguous_buffer(tmp_path: Path) -> None:
+    values = array("d", range(10000))  # 80000 bytes, written without a copy
+    with open_store(tmp_path) as store:
+        assert store.put(b"k", None, [1], memoryview(values), {"dtype": "float64"})
+        assert store.put(b"s", None, [1], bytearray(b"small"))
+        assert store.get(b"k").payload == values.tobytes()  # type: ignore[union-attr]
+        assert store.get(b"s").payload == b"small"  # type: ignore[union-attr]
+        assert store.stats().bytes_used == sum(p.stat().st_size for p in store.blocks_dir.rglob("*.blk"))
 
 
 def test_bad_arguments_get_clear_errors(tmp_path: Path) -> None:

@@ -170,6 +170,7 @@ class DiskStore:
         """Spill one block; True when it is now on disk. ``uses``: times the block was used in memory."""
         if uses < 0:
             raise ValueError(f"uses must be >= 0, got {uses}")
+        payload = memoryview(payload).cast("B")  # any C-contiguous buffer, counted in bytes
         header, digest = encode_header(key, parent, token_ids, payload, meta)
         size = len(header) + len(payload)
         if not self._reserve(key, uses, size):

@@ -57,8 +57,8 @@ def write_record(blocks_dir: Path, key: bytes, header: bytes, payload: Bytes, tm
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         # Small records go out in one write; large ones without copying the payload.
-        chunks = ([memoryview(header + bytes(payload))] if len(payload) < 65536
-                  else [memoryview(header), memoryview(payload).cast("B")])
+        chunks = ([memoryview(header + bytes(payload))] if memoryview(payload).nbytes < 65536
+                  else [memoryview(header), memoryview(payload)])
         for chunk in chunks:
             while chunk:
                 chunk = chunk[os.write(fd, chunk):]

@@ -117,7 +117,7 @@ def encode_header(key: bytes, parent: bytes | None, token_ids: Sequence[int],
     digest = payload_digest(payload)
     body = key + parent_raw + tokens_raw + meta_raw
     fields = (MAGIC, VERSION, len(key), len(parent_raw), 0, len(token_ids), len(meta_raw),
-              len(payload), digest)
+              memoryview(payload).nbytes, digest)
     crc = zlib.crc32(body, zlib.crc32(PREFIX.pack(*fields, 0)[:-4]))
     return PREFIX.pack(*fields, crc) + body, digest
 
