@@ -275,9 +275,9 @@ def test_failed_write_releases_its_reservation(tmp_path: Path, monkeypatch: pyte
 
 def test_hot_prefixes_are_whole_rooted_chains(tmp_path: Path) -> None:
     with open_store(tmp_path) as store:
-        put(store, 0), put(store, 1, parent=0), put(store, 2, parent=1)  # 0 -> 1 -> 2
-        put(store, 3), put(store, 4, parent=3)  # 3 -> 4
-        put(store, 6, parent=5)  # parent 5 not on disk: cannot be prefilled
+        # Chains 0 -> 1 -> 2 and 3 -> 4; 6's parent 5 is not on disk, so 6 cannot be prefilled.
+        for i, parent in ((0, None), (1, 0), (2, 1), (3, None), (4, 3), (6, 5)):
+            assert put(store, i, parent=parent)
         for i in (0, 1, 2, 3, 3, 3, 3, 3, 6, 6, 6, 6, 6, 6):
             store.touch(key(i))
         assert store.hot_prefixes(5) == [tokens(3), tokens(0) + tokens(1) + tokens(2)]

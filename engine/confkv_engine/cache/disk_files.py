@@ -34,11 +34,12 @@ log = logging.getLogger(__name__)
 READ_CHUNK = 1 << 20
 
 
-def capacity_from_volume(directory: Path, fraction: float = 0.9) -> int:
+def capacity_from_volume(directory: str | os.PathLike[str], fraction: float = 0.9) -> int:
     """A byte cap for a store in ``directory``: ``fraction`` of the volume's free space plus what
     record files there already use (so reopening a full store does not shrink it)."""
     if not 0 < fraction <= 1:
         raise ValueError(f"the disk tier's share of its volume must be in (0, 1], got {fraction}")
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     used = sum(p.stat().st_size for p in (directory / "blocks").rglob(f"*{RECORD_SUFFIX}"))
     return int(fraction * (shutil.disk_usage(directory).free + used))
