@@ -30,6 +30,7 @@ Layout:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -95,6 +96,12 @@ class SeqKV:
     block_keys: list[bytes] = field(default_factory=list)  # chain keys of its leading full blocks
 
 
+class EvictionSink(Protocol):
+    """Receives prefix blocks the cache evicts (``offload.DiskTier``); must not block for long."""
+
+    def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class WritePlan:
     """Where a step's new keys and values go: flat pool slot indices [T], in the step's token order."""
@@ -115,6 +122,7 @@ class KVCache:
         self.eviction = LRUK(eviction_k)
         self.hits = HitCounter()
         self._clock = 0  # one tick per prefix lookup that admits a request
+        self.sink: EvictionSink | None = None  # where evicted prefix blocks go (the disk tier)
         bs, h, d = spec.block_size, spec.num_kv_heads, spec.head_dim
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
@@ -220,6 +228,8 @@ class KVCache:
         if key is None or self.prefix is None:
             raise NoFreeBlocks("no evictable cached block")
         entry = self.prefix.remove(key)
+        if self.sink is not None:  # the disk tier decides whether the block deserves the disk
+            self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(key)))
         self._clear_positions([entry.k_block])
         self.pool.free([entry.k_block, entry.v_block])
         self.eviction.forget(key)
@@ -270,6 +280,29 @@ class KVCache:
             self.eviction.touch(key, self._clock)
             added += 1
         return added
+
+    def entry_payload(self, entry: CachedBlock) -> bytes:
+        """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
+        pair = torch.stack([self.kv[:, entry.k_block], self.kv[:, entry.v_block]])
+        return pair.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    def load_entry(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], payload: bytes) -> bool:
+        """Insert a block pair read back from the disk tier as an evictable cached entry; False when
+        the payload does not fit this cache's layout or no block is free (nothing changes then)."""
+        if self.prefix is None or key in self.prefix:
+            return False
+        shape = (2, self.spec.num_layers, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        elem = torch.empty((), dtype=self.spec.dtype).element_size()
+        if len(payload) != elem * int(torch.tensor(shape).prod()) or not self.can_allocate(2):
+            return False
+        pair = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.spec.dtype).view(shape)
+        k_block, v_block = self._allocate(2)
+        self.kv[:, k_block] = pair[0].to(self.kv.device)
+        self.kv[:, v_block] = pair[1].to(self.kv.device)
+        self.prefix.insert(CachedBlock(key, parent, tokens, k_block, v_block))
+        self.eviction.touch(key, self._clock)
+        self.eviction.release(key)  # the index's reference only: evictable until someone hits it
+        return True
 
     def set_eviction_k(self, k: int) -> None:
         """Live LRU-K change: cached blocks and their history stay."""
