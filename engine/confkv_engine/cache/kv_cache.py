@@ -97,9 +97,12 @@ class SeqKV:
 
 
 class EvictionSink(Protocol):
-    """Receives prefix blocks the cache evicts (``offload.DiskTier``); must not block for long."""
+    """Where evicted prefix blocks go and come back from (``offload.DiskTier``); must not block long."""
 
     def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
+
+    def load_chain(self, cache: KVCache, tokens: list[int], have: list[CachedBlock], max_blocks: int) -> int:
+        ...
 
 
 @dataclass(frozen=True)
@@ -236,10 +239,16 @@ class KVCache:
 
     # ---- prefix cache ------------------------------------------------------------------------
     def match(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
-        """The cached blocks covering the longest prefix of ``tokens`` (no side effects)."""
+        """The cached blocks covering the longest prefix of ``tokens``. Nothing is shared yet; blocks
+        the disk tier holds beyond the in-memory hit are read back as evictable entries first."""
         if self.prefix is None or max_blocks <= 0:
             return []
-        return self.prefix.match(tokens, self.spec.block_size, max_blocks)
+        found = self.prefix.match(tokens, self.spec.block_size, max_blocks)
+        more = min(max_blocks, len(tokens) // self.spec.block_size) > len(found)
+        if self.sink is not None and more:
+            if self.sink.load_chain(self, tokens, found, max_blocks):
+                found = self.prefix.match(tokens, self.spec.block_size, max_blocks)
+        return found
 
     def evictable_among(self, entries: list[CachedBlock]) -> int:
         """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""

@@ -29,8 +29,15 @@ import torch
 from confkv_api.config import ConfKVConfig, ConfKVSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, resolve_cache_bytes
+from confkv_engine.cache.offload import DiskTier
 from confkv_engine.core import sampling
-from confkv_engine.core.control_api import BATCH_FIELD, RETENTION_FIELDS, EngineStats, PolicyRejected
+from confkv_engine.core.control_api import (
+    BATCH_FIELD,
+    EVICTION_FIELD,
+    RETENTION_FIELDS,
+    EngineStats,
+    PolicyRejected,
+)
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
@@ -76,6 +83,11 @@ class LLMEngine:
         salt = salt if config.confkv.prefix_cache.enabled else None
         self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device), prefix_salt=salt,
                                          eviction_k=ev.k if ev.policy == "LRU-K" else 1)
+        # The disk tier (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
+        self.disk: DiskTier | None = None
+        if eng.cache_dir and salt is not None:
+            self.disk = DiskTier(eng.cache_dir)
+            self.cache.sink = self.disk
         # Token-level retention (conf-kv and its peers); ``retention`` overrides the confkv section.
         self.retention = RetentionManager(self.cache, args.num_heads,
                                           retention or config_from_section(config.confkv), eng.prefill_chunk)
@@ -324,10 +336,29 @@ class LLMEngine:
             self.scheduler.max_batch_size = n
 
     def live_fields(self) -> list[str]:
-        return [BATCH_FIELD, *RETENTION_FIELDS]
+        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD]
 
     def capabilities(self) -> list[str]:
-        return []
+        caps = ["prefix-cache", "warmup"] if self.cache.prefix is not None else []
+        return caps + (["rebuild-index"] if self.disk is not None else [])
+
+    def rebuild_index(self) -> str:
+        """Rebuild the disk tier's index from its record files (torn or corrupt ones are skipped)."""
+        if self.disk is None:
+            raise PolicyRejected("this engine has no cache directory (engine.cacheDir): nothing to rebuild")
+        report = self.disk.rebuild()
+        return (f"rebuilt the disk index: {report.records} records ({report.bytes} bytes), "
+                f"{report.skipped} torn or corrupt skipped, {report.orphans} unfinished writes removed")
+
+    def hot_prefixes(self, n: int) -> list[list[int]]:
+        """Token ids of the most-hit prefixes the disk tier remembers (for a warm-up with no prompts)."""
+        return self.disk.hot_prefixes(n) if self.disk is not None else []
+
+    def close(self) -> None:
+        """Release what outlives requests (the disk tier's writer and index)."""
+        if self.disk is not None:
+            self.disk.flush()
+            self.disk.close()
 
     def apply_policy(self, confkv: ConfKVSection, max_batch_size: int, changed: list[str]) -> None:
         """Everything is computed and checked first, then set between two steps (all or nothing).
@@ -346,6 +377,9 @@ class LLMEngine:
                 self.scheduler.max_batch_size = max_batch_size
             if retention is not None:
                 self.retention.set_defaults(retention)
+            if any(p.startswith(EVICTION_FIELD) for p in changed):
+                ev = confkv.eviction
+                self.cache.set_eviction_k(ev.k if ev.policy == "LRU-K" else 1)
 
     # ---- conveniences ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]],
@@ -379,4 +413,12 @@ class LLMEngine:
                 prefix_cache_enabled=self.cache.prefix is not None,
                 prefix_queried_tokens=self.cache.hits.queried, prefix_hit_tokens=self.cache.hits.hit,
                 prefix_hit_ratio_window=self.cache.hits.window_ratio(),
-                kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes)
+                kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
+                eviction_k=self.cache.eviction.k, **self._disk_stats())
+
+    def _disk_stats(self) -> dict[str, int]:
+        if self.disk is None:
+            return {}
+        s = self.disk.refresh_stats()
+        return {"disk_records": s.records, "disk_bytes": s.bytes_used, "disk_spilled": s.spilled,
+                "disk_loaded": s.loaded, "rebuild_records_skipped": s.rebuild_skipped}
