@@ -19,21 +19,20 @@ from typing import Any
 
 import grpc
 
-from confkv_api.config import ConfigError, ConfKVConfig, dump_config, load_config_file
+from confkv_api.config import ConfigError, ConfKVConfig, ConfKVSection, dump_config, load_config_file
+from confkv_api.merge import merge_patch
 
 from .apply import Applier, EngineClient, EngineError, split_overrides
 from .collect import NvmlReader, observation, vram_reading
+from .kube import KubeRecorder
+from .logs import log_fields, utc_iso
+from .metrics import AgentMetrics
 from .planner import BATCH, CACHE_SIZE, HIGH, LRU_K, MEDIUM, Action, Planner, PolicyView
-from .record import AgentMetrics, KubeRecorder, utc_iso
 from .rules import AlertEvaluator, AlertState, Transition
 
 log = logging.getLogger("confkv.agent")
 
 MAX_STEPS_PER_TICK = 8  # unavailable steps are skipped within a tick; this bounds the retries
-
-
-def _fields(logger: logging.Logger, level: int, message: str, **fields: Any) -> None:
-    logger.log(level, message, extra={"fields": fields})
 
 
 class ConfigWatcher:
@@ -154,7 +153,10 @@ class Agent:
         startup = json.loads(status.startup_policy_json)
         base = self.config.confkv.model_dump(mode="json", by_alias=True)
         patch, batch = split_overrides(self.planner.overrides())
-        confkv = _merge(base, patch or {})
+        # null in the overrides (a revert to an unset field) removes the key; validating puts the
+        # field's default back, so the document compares equal to the engine's full dump.
+        confkv = ConfKVSection.model_validate(merge_patch(base, patch or {})).model_dump(mode="json",
+                                                                                         by_alias=True)
         return confkv, batch if batch is not None else int(startup["engine"]["maxBatchSize"])
 
     def _reconcile(self, now: float, status: Any) -> Any:
@@ -178,7 +180,7 @@ class Agent:
             log.error("engine refused the configured policy: %s", err)
             self.kube.event(now, "PolicyRejected", str(err), warning=True)
             return status
-        _fields(log, logging.INFO, f"policy pushed: version {resp.version}",
+        log_fields(log, logging.INFO, f"policy pushed: version {resp.version}",
                 changed=list(resp.changed_fields), deferred=list(resp.deferred_fields))
         if resp.changed_fields:
             self.kube.event(now, "PolicyUpdated", f"policy version {resp.version}: {resp.message}")
@@ -212,7 +214,7 @@ class Agent:
     def _record_transition(self, now: float, t: Transition) -> None:
         value = "no data" if t.value is None else f"{t.value:.4g}"
         rule = self.evaluator.rules[t.alert].spec
-        _fields(log, logging.WARNING if t.new is AlertState.FIRING else logging.INFO,
+        log_fields(log, logging.WARNING if t.new is AlertState.FIRING else logging.INFO,
                 f"alert {t.alert}: {t.old.value} -> {t.new.value}", alert=t.alert, value=t.value,
                 threshold=rule.threshold)
         if t.new is AlertState.FIRING:
@@ -224,7 +226,7 @@ class Agent:
     def _record_remediation(self, now: float, action: Action, result: str, message: str) -> None:
         self.metrics.remediations.labels(alert=action.alert, action=action.name, result=result).inc()
         level = logging.WARNING if result == "failed" else logging.INFO
-        _fields(log, level, f"remediation {action.describe()} for {action.alert}: {result}: {message}",
+        log_fields(log, level, f"remediation {action.describe()} for {action.alert}: {result}: {message}",
                 alert=action.alert, action=action.name, result=result, overrides=action.overrides)
         reason = {"applied": "Remediated", "unavailable": "RemediationUnavailable",
                   "failed": "RemediationFailed", "dry-run": "RemediationDryRun",
@@ -244,16 +246,6 @@ class Agent:
                 "engine": {None: "unknown", True: "up", False: "down"}[self.engine_up],
                 "alerts": {a: s.value for a, s in self.evaluator.states().items()}}
         return not (stale and self.last_tick is not None), body
-
-
-def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def _normalised(doc: dict[str, Any]) -> str:

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from confkv_agent.collect import NvmlReader, vram_reading
-from confkv_agent.record import LAST_REMEDIATION_ANNOTATION, JsonFormatter, KubeRecorder, utc_iso
+from confkv_agent.kube import KubeRecorder
+from confkv_agent.logs import JsonFormatter, utc_iso
+from confkv_api.resources import LAST_REMEDIATION_ANNOTATION
 from confkv_api.v1 import control_pb2 as pb
-from confkv_operator.names import LAST_REMEDIATION_ANNOTATION as OPERATOR_READS
 from confkv_operator.rbac import AGENT_RULES, expand
 from confkv_operator.status import last_remediation
 from tests.k8s_emulator import KubeEmulator, crd_manifest
@@ -53,7 +54,6 @@ def test_events_and_annotation_reach_the_cluster_within_the_agent_role(cluster: 
     # The operator's status code reads what the agent wrote.
     assert last_remediation([pod]) == {**record, "pod": "demo-abc"}
     assert cluster.rbac_usage() <= expand(AGENT_RULES)
-    assert LAST_REMEDIATION_ANNOTATION == OPERATOR_READS
 
 
 def test_recording_is_off_outside_a_pod_and_never_raises() -> None:

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from confkv_agent.apply import EngineClient, EngineError
+from confkv_agent.kube import KubeRecorder
 from confkv_agent.loop import Agent
-from confkv_agent.record import LAST_REMEDIATION_ANNOTATION, KubeRecorder
 from confkv_api.config import load_config
 from confkv_engine.control.policy import PolicyInvalid, PolicyNotLive, PolicyStore
 from confkv_engine.control.servicer import ControlPlane, ControlPlaneError, socket_path
@@ -166,12 +166,6 @@ def test_agent_applies_smaller_batches_and_reverts_after_health(plane: Any, tmp_
     status = EngineClient(sock).status()
     assert json.loads(status.policy_json)["confkv"]["eviction"]["k"] == 3
     assert agent.metrics.registry.get_sample_value("confkv_agent_policy_version") == status.policy_version
-
-
-def test_the_agent_writes_the_annotation_the_operator_reads() -> None:
-    from confkv_operator.names import LAST_REMEDIATION_ANNOTATION as OPERATOR_READS
-
-    assert LAST_REMEDIATION_ANNOTATION == OPERATOR_READS
 
 
 def test_retention_settings_are_live_when_the_engine_has_a_retention_manager(tmp_path: Path) -> None:
