@@ -1,4 +1,4 @@
-"""Collect: GPU memory from NVML (``nvidia-ml-py``, optional) and the engine's status over gRPC.
+"""Collect: GPU memory from NVML (``nvidia-ml-py``) and the engine's status over gRPC.
 
 VRAM comes from NVML for every GPU this container can see (``CUDA_VISIBLE_DEVICES`` narrows the
 set when it is given); the alert uses the fullest GPU. Without NVML (no driver, no library, no
@@ -58,7 +58,7 @@ class NvmlReader:
                 import pynvml  # nvidia-ml-py
 
                 self._nvml = pynvml
-            except ImportError:
+            except ImportError:  # a declared dependency; a trimmed image may still lack it
                 self.reason = "nvidia-ml-py is not installed"
                 return
         try:
@@ -70,6 +70,13 @@ class NvmlReader:
             return
         if self._count == 0:
             self.reason = "NVML sees no GPU"
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception as err:  # nothing to release is not a problem
+            log.debug("nvmlShutdown: %s", err)
 
     @property
     def available(self) -> bool:
