@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from confkv_api.alerts import alerts_for_device, engine_on_cpu
 from confkv_api.config import ConfigError, ConfKVConfig, ConfKVSection, dump_config, load_config_file
 from confkv_api.merge import merge_patch
 
@@ -27,7 +28,7 @@ from .collect import NvmlReader, observation, vram_reading
 from .kube import KubeRecorder
 from .logs import log_fields, utc_iso
 from .metrics import AgentMetrics
-from .planner import BATCH, CACHE_SIZE, HIGH, LRU_K, MEDIUM, Action, Planner, PolicyView
+from .planner import BATCH, CACHE_SIZE, HIGH, LRU_K, MEDIUM, Action, Planner, PolicyView, latency_cause
 from .rules import AlertEvaluator, AlertState, Transition
 
 log = logging.getLogger("confkv.agent")
@@ -86,6 +87,7 @@ class Agent:
         self.evaluator = AlertEvaluator(config.alerts)
         self.planner = Planner(config.remediation)
         self.engine_up: bool | None = None
+        self.on_cpu: bool | None = None  # the engine's device, once a status said it
         self.vram_source = ""
         self.last_tick: float | None = None
         self._failed_push: str | None = None
@@ -107,6 +109,7 @@ class Agent:
             self.last_tick = now
             return
         self._set_engine_up(True, "")
+        self._set_device(engine_on_cpu(status.device_memory.device))
         status = self._reconcile(now, status)
         self.metrics.policy_version.set(status.policy_version)
         vram = vram_reading(self.nvml, status)
@@ -133,7 +136,7 @@ class Agent:
         if new is None or dump_config(new) == dump_config(self.config):
             return
         self.config = new
-        self.evaluator.configure(new.alerts)
+        self.evaluator.configure(alerts_for_device(new.alerts, bool(self.on_cpu)))
         self.planner.configure(new.remediation)
         self._failed_push = None
         self.metrics.config_reloads.labels(result="applied").inc()
@@ -147,6 +150,18 @@ class Agent:
             else:
                 log.warning("engine control socket %s does not answer: %s", self.client.target, reason)
         self.engine_up = up
+
+    def _set_device(self, on_cpu: bool) -> None:
+        """Alert thresholds for the engine's device (a CPU keeps its own latency default)."""
+        if on_cpu == self.on_cpu:
+            return
+        self.on_cpu = on_cpu
+        alerts = alerts_for_device(self.config.alerts, on_cpu)
+        self.evaluator.configure(alerts)
+        if alerts.latency_ms != self.config.alerts.latency_ms:
+            rule = alerts.latency_ms
+            log.info("engine on CPU: latencyMs uses the CPU threshold %g ms (p95 %s; set "
+                     "alerts.latencyMs.threshold to choose another)", rule.threshold, rule.signal)
 
     # ---- policy reconciliation -------------------------------------------------------------
     def _desired(self, status: Any) -> tuple[dict[str, Any], int]:
@@ -194,9 +209,11 @@ class Agent:
                      else startup["confkv"])
         baseline = flat_baseline(base_conf, int(startup["engine"]["maxBatchSize"]))
         states = self.evaluator.states()
+        ctx = self.evaluator.latency_context()
+        causes = {"latencyMs": latency_cause(ctx.signal, ctx.max_waiting, ctx.preemptions)}
         for _ in range(MAX_STEPS_PER_TICK):
             view = policy_view(policy, status.kv_bytes_total)
-            actions = self.planner.plan(now, states, view, baseline)
+            actions = self.planner.plan(now, states, view, baseline, causes)
             if not actions:
                 return
             retry = False
@@ -227,10 +244,12 @@ class Agent:
         self.metrics.remediations.labels(alert=action.alert, action=action.name, result=result).inc()
         level = logging.WARNING if result == "failed" else logging.INFO
         log_fields(log, level, f"remediation {action.describe()} for {action.alert}: {result}: {message}",
-                alert=action.alert, action=action.name, result=result, overrides=action.overrides)
+                alert=action.alert, action=action.name, result=result, overrides=action.overrides,
+                **({"cause": action.cause} if action.cause else {}))
         reason = {"applied": "Remediated", "unavailable": "RemediationUnavailable",
                   "failed": "RemediationFailed", "dry-run": "RemediationDryRun",
-                  "recommended": "ScaleOutRecommended"}[result]
+                  "recommended": "ScaleOutRecommended" if action.name == "recommendScaleOut"
+                  else "TuningRecommended"}[result]
         if action.name == "revert" and result == "applied":
             reason = "RemediationReverted"
         self.kube.event(now, reason, f"{action.alert}: {action.describe()}: {message}",

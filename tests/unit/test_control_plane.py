@@ -31,9 +31,10 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(max_batch_size=8)
         self._lock = threading.RLock()
         self.oom = 0
+        self.waiting = 2
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=1, num_waiting=2, num_total_blocks=100, num_free_blocks=60,
+        return EngineStats(num_running=1, num_waiting=self.waiting, num_total_blocks=100, num_free_blocks=60,
                            block_size=16,
                            kv_bytes_used=4000, kv_bytes_total=10000, kv_bytes_full=4000, kv_bytes_key_only=0,
                            num_preemptions=3, num_oom=self.oom, prompt_tokens_total=50,
@@ -142,7 +143,11 @@ def test_policy_store_rejects_and_keeps_state() -> None:
 def test_agent_applies_smaller_batches_and_reverts_after_health(plane: Any, tmp_path: Path) -> None:
     cp, engine, latency, sock = plane
     cfg_path = tmp_path / "confkv.json"
-    doc = {"engine": {"grpcSocket": sock}, "alerts": {"latencyMs": {"threshold": 100, "for": "0s"}},
+    # End-to-end latency (the stand-in keeps no histograms: the window average) with an empty queue:
+    # the answers' length, which smaller batches shorten.
+    engine.waiting = 0
+    doc = {"engine": {"grpcSocket": sock},
+           "alerts": {"latencyMs": {"threshold": 100, "for": "0s", "signal": "e2e"}},
            "remediation": {"cooldown": "30s", "allowedActions": ["smallerBatches", "compress"]}}
     cfg_path.write_text(json.dumps(doc))
     agent = Agent(load_config(doc), EngineClient(sock), config_path=str(cfg_path), kube=KubeRecorder({}))
@@ -221,7 +226,9 @@ def test_without_a_config_file_the_engine_start_up_policy_is_the_baseline(plane:
     cp, engine, latency, sock = plane
     client = EngineClient(sock)
     client.update_policy({"eviction": {"k": 5}})  # someone changed it by hand: not the agent's business
-    doc = {"alerts": {"latencyMs": {"threshold": 100, "for": "0s"}}, "remediation": {"cooldown": "10s"}}
+    engine.waiting = 0
+    doc = {"alerts": {"latencyMs": {"threshold": 100, "for": "0s", "signal": "e2e"}},
+           "remediation": {"cooldown": "10s"}}
     agent = Agent(load_config(doc), client, config_path=None, kube=KubeRecorder({}))
     agent.tick(0)
     assert json.loads(client.status().policy_json)["confkv"]["eviction"]["k"] == 5  # no file: nothing pushed
