@@ -210,7 +210,7 @@ class Agent:
         baseline = flat_baseline(base_conf, int(startup["engine"]["maxBatchSize"]))
         states = self.evaluator.states()
         ctx = self.evaluator.latency_context()
-        causes = {"latencyMs": latency_cause(ctx.signal, ctx.max_waiting, ctx.preemptions)}
+        causes = {"latencyMs": latency_cause(ctx.signal, ctx.mean_waiting, ctx.preemptions)}
         for _ in range(MAX_STEPS_PER_TICK):
             view = policy_view(policy, status.kv_bytes_total)
             actions = self.planner.plan(now, states, view, baseline, causes)

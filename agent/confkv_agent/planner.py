@@ -16,7 +16,8 @@ Playbooks (deployment guide, section 5.2, and DESIGN.md):
   latencyMs  -> by cause, fixed when the incident's first step is chosen (``latency_cause``):
     preemption (sequences were preempted in the window)   -> smallerBatches, recommendScaleOut
     decode     (time per output token; e2e, queue empty)  -> smallerBatches, recommendScaleOut
-    queueing   (requests waited in the queue)             -> recommendScaleOut
+    queueing   (requests waited in the queue: on average
+                at least half a request waiting)          -> recommendScaleOut
     prefill    (time to first token, queue empty)         -> warmup, recommendPrefillTuning
   A smaller batch shortens each decode step (every running sequence is in it) and causes fewer
   preemptions, but it serves fewer requests at once: with a queue it makes the wait, and so the time
@@ -75,13 +76,20 @@ class PolicyView:
     kv_bytes_total: int
 
 
-def latency_cause(signal: str, max_waiting: float, preemptions: float) -> str:
+#: Requests waiting, averaged over the window, from which the queue explains the latency. By Little's
+#: law the mean queue length is the arrival rate times the mean wait: at half a request the wait is a
+#: real part of the latency, while a request that waits for one scheduler step now and then stays far
+#: below it.
+QUEUE_MEAN_WAITING = 0.5
+
+
+def latency_cause(signal: str, mean_waiting: float, preemptions: float) -> str:
     """Why the latency signal is high, from what the rule's window saw (see the module docstring)."""
     if preemptions > 0:
         return "preemption"
     if signal == "tpot":
         return "decode"
-    if max_waiting > 0:
+    if mean_waiting >= QUEUE_MEAN_WAITING:
         return "queueing"
     return "prefill" if signal == "ttft" else "decode"
 

@@ -155,7 +155,7 @@ class HistogramWindow:
 
 
 class GaugeWindow:
-    """The largest value of a gauge sampled in the last ``span`` seconds."""
+    """The mean of a gauge's samples in the last ``span`` seconds."""
 
     def __init__(self, span: float) -> None:
         self.span = span
@@ -166,8 +166,8 @@ class GaugeWindow:
         while self._samples and self._samples[0][0] < now - self.span:
             self._samples.popleft()
 
-    def max(self) -> float:
-        return max((v for _, v in self._samples), default=0.0)
+    def mean(self) -> float:
+        return sum(v for _, v in self._samples) / len(self._samples) if self._samples else 0.0
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class LatencyContext:
     """What the latency rule's window saw besides the signal: the cause of a breach (planner)."""
 
     signal: str
-    max_waiting: float  # most requests waiting in the queue at one sample
+    mean_waiting: float  # requests waiting in the queue, averaged over the window's samples
     preemptions: float  # sequences preempted (their KV recomputed later)
 
 
@@ -250,7 +250,7 @@ class AlertEvaluator:
 
     def latency_context(self) -> LatencyContext:
         preempted = self._preemptions.increase()
-        return LatencyContext(self.rules["latencyMs"].spec.signal or "ttft", self._waiting.max(),
+        return LatencyContext(self.rules["latencyMs"].spec.signal or "ttft", self._waiting.mean(),
                               preempted[0] if preempted else 0.0)
 
     def evaluate(self, now: float, obs: Observation) -> list[Transition]:

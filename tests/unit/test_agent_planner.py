@@ -140,12 +140,13 @@ def test_failed_actions_are_retried_after_the_cooldown() -> None:
 def test_latency_cause_follows_the_signal_the_queue_and_preemptions() -> None:
     from confkv_agent.planner import latency_cause
 
-    assert latency_cause("ttft", max_waiting=0, preemptions=0) == "prefill"
-    assert latency_cause("ttft", max_waiting=3, preemptions=0) == "queueing"
-    assert latency_cause("e2e", max_waiting=3, preemptions=0) == "queueing"
-    assert latency_cause("e2e", max_waiting=0, preemptions=0) == "decode"
-    assert latency_cause("tpot", max_waiting=3, preemptions=0) == "decode"
-    assert latency_cause("ttft", max_waiting=3, preemptions=2) == "preemption"
+    assert latency_cause("ttft", mean_waiting=0, preemptions=0) == "prefill"
+    assert latency_cause("ttft", mean_waiting=3, preemptions=0) == "queueing"
+    assert latency_cause("ttft", mean_waiting=0.1, preemptions=0) == "prefill"  # a step's wait now and then
+    assert latency_cause("e2e", mean_waiting=3, preemptions=0) == "queueing"
+    assert latency_cause("e2e", mean_waiting=0, preemptions=0) == "decode"
+    assert latency_cause("tpot", mean_waiting=3, preemptions=0) == "decode"
+    assert latency_cause("ttft", mean_waiting=3, preemptions=2) == "preemption"
 
 
 def _incident(p: Planner, cause: str, results: list[str]) -> list[str]:

@@ -198,10 +198,10 @@ def test_latency_context_sees_the_queue_and_preemptions_of_the_window() -> None:
     ev.evaluate(0, _lat(waiting=4, preempted=7))
     ev.evaluate(30, _lat(waiting=0, preempted=7))
     ctx = ev.latency_context()
-    assert (ctx.signal, ctx.max_waiting, ctx.preemptions) == ("ttft", 4, 0)
-    ev.evaluate(70, _lat(waiting=0, preempted=9))  # the queue at t=0 is out of the window
+    assert (ctx.signal, ctx.mean_waiting, ctx.preemptions) == ("ttft", 2, 0)
+    ev.evaluate(70, _lat(waiting=1, preempted=9))  # the queue at t=0 is out of the window
     ctx = ev.latency_context()
-    assert (ctx.max_waiting, ctx.preemptions) == (0, 2)
+    assert (ctx.mean_waiting, ctx.preemptions) == (0.5, 2)
 
 
 def test_prometheus_quantile_edges() -> None:
