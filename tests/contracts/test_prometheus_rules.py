@@ -216,3 +216,21 @@ def test_the_agents_quantile_equals_promql_histogram_quantile(promtool: str, tmp
     spec.write_text(yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests},
                                    sort_keys=False))
     run([promtool, "test", "rules", str(spec)])
+
+
+def test_the_operator_gives_a_deployment_without_gpus_the_cpu_threshold() -> None:
+    from confkv_api.config import load_deployment_spec
+    from confkv_operator.builders import build_children
+    from confkv_operator.settings import OperatorSettings
+
+    def threshold(spec: dict[str, Any]) -> str:
+        children = build_children("demo", "ns", load_deployment_spec(spec), OperatorSettings(),
+                                  frozenset({"PrometheusRule"}))
+        (rule,) = [c for c in children if c["kind"] == "PrometheusRule"]
+        (latency,) = [r for r in rule["spec"]["groups"][0]["rules"] if r["alert"] == "ConfKVHighLatency"]
+        return latency["expr"].rsplit(" ", 1)[-1]
+
+    cpu = f"{CPU_LATENCY_MS['ttft']:g}"
+    assert threshold({}) == cpu  # the embedded model on CPU
+    assert threshold({"resources": {"gpusPerPod": 1}}) == "500"
+    assert threshold({"resources": {"gpusPerPod": 1}, "engine": {"device": "cpu"}}) == cpu
