@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from pydantic import ValidationError
 
 from confkv_api.alerts import alerts_for_device, engine_on_cpu
 from confkv_api.config import ConfigError, ConfKVConfig, ConfKVSection, dump_config, load_config_file
@@ -168,10 +169,13 @@ class Agent:
         startup = json.loads(status.startup_policy_json)
         base = self.config.confkv.model_dump(mode="json", by_alias=True)
         patch, batch = split_overrides(self.planner.overrides())
-        # null in the overrides (a revert to an unset field) removes the key; validating puts the
-        # field's default back, so the document compares equal to the engine's full dump.
-        confkv = ConfKVSection.model_validate(merge_patch(base, patch or {})).model_dump(mode="json",
-                                                                                         by_alias=True)
+        merged = merge_patch(base, patch or {})
+        try:
+            # null in the overrides (a revert to an unset field) removes the key; validating puts the
+            # field's default back, so the document compares equal to the engine's full dump.
+            confkv = ConfKVSection.model_validate(merged).model_dump(mode="json", by_alias=True)
+        except ValidationError:
+            confkv = merged  # pushed as it is: the engine's INVALID_ARGUMENT names the problem
         return confkv, batch if batch is not None else int(startup["engine"]["maxBatchSize"])
 
     def _reconcile(self, now: float, status: Any) -> Any:
@@ -196,7 +200,7 @@ class Agent:
             self.kube.event(now, "PolicyRejected", str(err), warning=True)
             return status
         log_fields(log, logging.INFO, f"policy pushed: version {resp.version}",
-                changed=list(resp.changed_fields), deferred=list(resp.deferred_fields))
+                   changed=list(resp.changed_fields), deferred=list(resp.deferred_fields))
         if resp.changed_fields:
             self.kube.event(now, "PolicyUpdated", f"policy version {resp.version}: {resp.message}")
         return self.client.status()
@@ -232,8 +236,8 @@ class Agent:
         value = "no data" if t.value is None else f"{t.value:.4g}"
         rule = self.evaluator.rules[t.alert].spec
         log_fields(log, logging.WARNING if t.new is AlertState.FIRING else logging.INFO,
-                f"alert {t.alert}: {t.old.value} -> {t.new.value}", alert=t.alert, value=t.value,
-                threshold=rule.threshold)
+                   f"alert {t.alert}: {t.old.value} -> {t.new.value}", alert=t.alert, value=t.value,
+                   threshold=rule.threshold)
         if t.new is AlertState.FIRING:
             self.kube.event(now, "AlertFiring", f"{t.alert} = {value} (threshold {rule.threshold:g})",
                             warning=True)
@@ -244,8 +248,8 @@ class Agent:
         self.metrics.remediations.labels(alert=action.alert, action=action.name, result=result).inc()
         level = logging.WARNING if result == "failed" else logging.INFO
         log_fields(log, level, f"remediation {action.describe()} for {action.alert}: {result}: {message}",
-                alert=action.alert, action=action.name, result=result, overrides=action.overrides,
-                **({"cause": action.cause} if action.cause else {}))
+                   alert=action.alert, action=action.name, result=result, overrides=action.overrides,
+                   **({"cause": action.cause} if action.cause else {}))
         reason = {"applied": "Remediated", "unavailable": "RemediationUnavailable",
                   "failed": "RemediationFailed", "dry-run": "RemediationDryRun",
                   "recommended": "ScaleOutRecommended" if action.name == "recommendScaleOut"
