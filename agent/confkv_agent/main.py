@@ -24,8 +24,10 @@ from types import FrameType
 from confkv_api.config import ConfigError, ConfKVConfig, load_config_file, parse_duration
 
 from .apply import EngineClient
+from .endpoint import serve_http
+from .logs import JsonFormatter, TextFormatter
 from .loop import Agent
-from .record import AgentMetrics, JsonFormatter, TextFormatter, serve_http
+from .metrics import AgentMetrics
 
 log = logging.getLogger("confkv.agent")
 EXIT_BAD_CONFIG = 2

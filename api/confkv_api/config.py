@@ -201,23 +201,37 @@ class AlertRule(_Model):
         return value
 
 
-def _rule(threshold: float, for_: str) -> Any:
-    return Field(default_factory=lambda: AlertRule(threshold=threshold, **{"for": for_}))
+LatencySignal = Literal["ttft", "tpot", "e2e"]
+#: The quantile of the latency signal the rule compares (agent and PrometheusRule alike).
+LATENCY_QUANTILE = 0.95
+
+
+class LatencyRule(AlertRule):
+    """``latencyMs``: the p95 (over the rule's window) of ``signal``, in milliseconds. ``ttft``: time to
+    first token; ``tpot``: time per output token; ``e2e``: arrival to finish, which grows with the
+    answer's length (so a long answer alone fires it: meant for fixed-length batch work)."""
+
+    signal: LatencySignal = "ttft"
+
+
+def _rule(threshold: float, for_: str, kind: type[AlertRule] = AlertRule) -> Any:
+    return Field(default_factory=lambda: kind(threshold=threshold, **{"for": for_}))
 
 
 class AlertsSection(_Model):
-    """The four rules of the deployment guide. vram: used fraction; latencyMs: average request
-    latency in ms; hitRate: prefix-cache hit fraction (fires when below); oomPerHour: count."""
+    """The four rules of the deployment guide. vram: used fraction; latencyMs: p95 time to first token
+    (or per output token, or end to end: ``signal``) in ms; hitRate: prefix-cache hit fraction (fires
+    when below); oomPerHour: count."""
 
     vram: AlertRule = _rule(0.85, "5m")
-    latency_ms: AlertRule = _rule(500.0, "1m")
+    latency_ms: LatencyRule = _rule(500.0, "1m", LatencyRule)
     hit_rate: AlertRule = _rule(0.70, "5m")
     oom_per_hour: AlertRule = _rule(3.0, "0s")
 
 
 RemediationAction = Literal[
     "raiseLruK", "warmup", "compress", "lowerMaxCacheSize", "stricterThresholds",
-    "halveBatchSize", "smallerBatches", "recommendScaleOut",
+    "halveBatchSize", "smallerBatches", "recommendScaleOut", "recommendPrefillTuning",
 ]
 ALL_ACTIONS: tuple[str, ...] = RemediationAction.__args__  # type: ignore[attr-defined]
 

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.timeout(600)
 START_BATCH = 8
 CONFIG: dict[str, Any] = {
     "engine": {"maxBatchSize": START_BATCH},
-    # Every finished request is "slow": the latency rule fires as soon as two have finished.
-    "alerts": {"latencyMs": {"threshold": 1, "for": "0s"}},
+    # Every finished request is "slow" end to end: the latency rule fires as soon as two have finished,
+    # and with an empty queue its remedy is smaller batches.
+    "alerts": {"latencyMs": {"threshold": 1, "for": "0s", "signal": "e2e"}},
     "remediation": {"cooldown": "1h", "allowedActions": ["smallerBatches", "compress"]},
 }
 
