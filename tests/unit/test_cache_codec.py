@@ -21,6 +21,7 @@ from confkv_engine.cache.codec import (
     unpack,
     value_spec,
 )
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache
 
 SMOLLM2_BLOCK = (30, 16, 3, 64)  # [L, block_size, Hkv, D]
 SMALL_BLOCK = (2, 16, 2, 32)
@@ -220,3 +221,21 @@ def test_bad_specs_and_inputs_are_refused_clearly() -> None:
         encode_rows(torch.zeros(2, 3, 16, 2, 32), spec)
     with pytest.raises(ValueError, match="layer 2 out of range"):
         decode_rows(torch.zeros(1, spec.nbytes, dtype=torch.uint8), spec, layer=2)
+
+
+def test_blocks_of_the_paged_cache_encode_and_decode_per_layer_in_its_layout() -> None:
+    """kv[L, num_blocks, bs, Hkv, D]: encode some block ids at once, decode one layer as kv[l, ids]."""
+    spec_kv = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16,
+                        dtype=torch.bfloat16, device=torch.device("cpu"))
+    cache = KVCache(spec_kv, num_blocks=6)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(5)))
+    ids = torch.tensor([4, 1, 3])
+    blocks = cache.kv[:, ids].movedim(1, 0)  # [N, L, bs, Hkv, D]
+    for make, bits in ((key_spec, 8), (value_spec, 4)):
+        spec = make(tuple(blocks.shape[1:]), bits)
+        rows = encode_rows(blocks, spec)
+        for layer in range(2):
+            got = decode_rows(rows, spec, torch.bfloat16, layer=layer)
+            ref = cache.kv[layer, ids].float()
+            step = (ref.amax() - ref.amin()) / ((1 << bits) - 1)
+            assert got.shape == ref.shape and (got.float() - ref).abs().max() <= step
