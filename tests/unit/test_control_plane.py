@@ -208,8 +208,10 @@ def test_retention_settings_are_live_in_a_real_engine(tmp_path: Path) -> None:
     with pytest.raises(PolicyInvalid, match="prefill chunk"):
         cp.store.update({"window": 32}, max_batch_size=2)
     assert engine.max_batch_size == 4 and engine.retention.defaults.tiers.window == 64
+    change = cp.store.update({"eviction": {"k": 3}}, require_live=True)  # LRU-K's K is live too
+    assert change.deferred == [] and engine.cache.eviction.k == 3
     with pytest.raises(PolicyNotLive):
-        cp.store.update({"eviction": {"k": 3}}, require_live=True)
+        cp.store.update({"prefixCache": {"enabled": False}}, require_live=True)
 
 
 def test_bad_config_edits_keep_the_previous_config_and_are_reported_once(plane: Any, tmp_path: Path) -> None:
