@@ -259,13 +259,21 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(config: ConfKVConfig, log_level: str = "info",
                on_loaded: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit status (1 when the model failed to load)."""
+    """Serve until SIGTERM/SIGINT; returns the process exit status (1 when the model failed to load or the
+    control plane cannot start)."""
     holder: dict[str, DrainingServer] = {}
 
     def stop() -> None:
         holder["server"].should_exit = True
 
     state = ServerState(config, on_load_failed=stop)
+    from confkv_engine.control.servicer import ControlPlaneError
+
+    try:
+        state.control.start()  # before the port opens: no engine serves without its control plane
+    except ControlPlaneError as err:
+        log.error("exiting: gRPC control plane not started: %s", err)
+        return 1
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=config.engine.host, port=config.engine.port, log_level=log_level,
                                access_log=log_level == "debug", lifespan="on")
