@@ -8,10 +8,12 @@ process pointed at the engine's control socket, which lives exactly as long as t
   every platform.
 - No file outlives it: an effective-config snapshot (flags that changed the policy) goes down the same
   pipe (``--config -``, one JSON line) instead of into a temporary file.
-- A crashed agent is started again after 0.5 s, 1 s, 2 s... (at most 30 s between tries); the count
-  resets once an agent has run for a minute, and the supervisor gives up after 8 quick crashes in a
-  row, or at once when the agent refuses its config (exit 2: it would refuse it again). A new engine
-  on the same port therefore gets its agent even while the old agent is still releasing its port.
+- A crashed agent (a non-zero status, or killed by a signal) is started again after 0.5 s, 1 s,
+  2 s... (at most 30 s between tries); the count resets once an agent has run for a minute, and the
+  supervisor gives up after 8 quick crashes in a row, or at once when the agent refuses its config
+  (exit 2: it would refuse it again). An agent that exits 0 was asked to stop (SIGTERM) and stays
+  stopped. A new engine on the same port therefore gets its agent even while the old agent is still
+  releasing the agent's port (the new one fails to bind, exits 1, and is started again).
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ class AgentProcess:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         # The agent logs to this terminal; it waits (engine "down") until the model has loaded.
-        proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE)
+        # Its own session: Ctrl-C in the terminal reaches the engine only, which then stops the agent
+        # (otherwise the agent would quit first and the engine would restart it while draining).
+        proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, start_new_session=True)
         try:
             if proc.stdin is not None and self._stdin_payload:
                 proc.stdin.write(self._stdin_payload)
@@ -98,6 +102,9 @@ class AgentProcess:
             if proc.stdin is not None:
                 proc.stdin.close()
             if self._stopping.is_set():
+                return
+            if code == 0:
+                log.info("confkv-agent (pid %d) was stopped; not restarting it", proc.pid)
                 return
             if code == EXIT_BAD_CONFIG:
                 log.error("confkv-agent refused its config (exit %d); not restarting it", code)

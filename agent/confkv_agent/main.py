@@ -89,8 +89,12 @@ def _read_config(source: str | None) -> ConfKVConfig:
 def _watch_lifeline(stop: threading.Event) -> None:
     """Set ``stop`` once stdin reaches EOF: nothing is written after the config line, so EOF means
     the launcher's end of the pipe is closed (it stopped the agent, or it died)."""
+    fd = sys.stdin.fileno()
+
     def watch() -> None:
-        while sys.stdin.buffer.read(4096):
+        # os.read, not sys.stdin: a daemon thread blocked inside a buffered reader aborts the
+        # interpreter's shutdown when the agent stops for another reason (SIGTERM).
+        while os.read(fd, 4096):
             pass
         log.info("the process that started this agent has ended; stopping")
         stop.set()

@@ -89,6 +89,17 @@ def test_agent_refusing_its_config_is_not_restarted(tmp_path: Path, agents: list
     assert agent.restarts == 0 and not agent.supervising
 
 
+def test_agent_stopped_with_sigterm_stays_stopped(tmp_path: Path, agents: list[AgentProcess]) -> None:
+    port = free_port()
+    agent = AgentProcess(str(tmp_path / "e.sock"), port=port, interval="0.1", policy=FAST)
+    agents.append(agent)
+    wait_for(lambda: health(port)["engine"] == "down", "agent health")
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(timeout=30) == 0
+    agent.join_supervisor(timeout=10)
+    assert agent.restarts == 0 and not agent.supervising
+
+
 HOST = """
 import sys, time
 from confkv_agent.launcher import AgentProcess
