@@ -23,6 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from confkv_api.control_socket import check_socket_address, default_control_socket
+
 BUILTIN_MODEL = "builtin:smollm2-135m"
 
 _SIZE_UNITS = {
@@ -108,9 +110,14 @@ class EngineSection(_Model):
 
     @property
     def control_socket(self) -> str:
-        """The gRPC control socket: ``grpcSocket``, else one per port, so two local servers (and
-        their agents) never share a socket."""
-        return self.grpc_socket or f"/tmp/confkv/engine-{self.port}.sock"
+        """The gRPC control socket: ``grpcSocket``, else one per port in the user's private
+        directory (``control_socket.py``)."""
+        return self.grpc_socket or default_control_socket(self.port)
+
+    @field_validator("grpc_socket")
+    @classmethod
+    def _unix_socket_only(cls, value: str | None) -> str | None:
+        return None if value is None else check_socket_address(value)
 
     @model_validator(mode="after")
     def _chunk_fits_budget(self) -> EngineSection:

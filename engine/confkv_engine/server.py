@@ -89,7 +89,8 @@ class ServerState:
             log.exception("gRPC control plane could not attach to the engine")
 
     async def startup(self) -> None:
-        """gRPC on the shared Unix socket (UNAVAILABLE until the engine attaches), then the model load."""
+        """gRPC on the shared Unix socket (started by ``run_server`` before the port opens; a no-op then;
+        UNAVAILABLE until the engine attaches), then the model load."""
         self.control.start()
         self._loader = asyncio.get_running_loop().run_in_executor(None, self.load)
 
@@ -148,13 +149,21 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(config: ConfKVConfig, log_level: str = "info",
                on_loaded: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit status (1 when the model failed to load)."""
+    """Serve until SIGTERM/SIGINT; returns the process exit status (1 when the model failed to load or
+    the control plane cannot start)."""
     holder: dict[str, DrainingServer] = {}
 
     def stop() -> None:
         holder["server"].should_exit = True
 
     state = ServerState(config, on_load_failed=stop)
+    from confkv_engine.control.servicer import ControlPlaneError
+
+    try:
+        state.control.start()  # before the port opens: no engine serves without its control plane
+    except ControlPlaneError as err:
+        log.error("exiting: gRPC control plane not started: %s", err)
+        return 1
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=config.engine.host, port=config.engine.port, log_level=log_level,
                                access_log=log_level == "debug", lifespan="on")

@@ -10,11 +10,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import engine_server
 import grpc
 import httpx
 import pytest
@@ -37,18 +37,7 @@ CONFIG: dict[str, Any] = {
 
 def wait_for(check: Callable[[], Any], what: str, deadline_s: float = 60.0,
              log: Callable[[], str] = str) -> Any:
-    deadline = time.monotonic() + deadline_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (grpc.RpcError, httpx.TransportError) as err:
-            last = err
-        else:
-            if last:
-                return last
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not seen within {deadline_s}s (last: {last!r})\n{log()}")
+    return engine_server.wait_for(check, what, deadline_s, log, errors=(grpc.RpcError, httpx.TransportError))
 
 
 @pytest.fixture(scope="module")

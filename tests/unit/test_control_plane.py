@@ -68,7 +68,7 @@ class FakeLatency:
 def plane(tmp_path: Path) -> Iterator[tuple[ControlPlane, FakeEngine, FakeLatency, str]]:
     sock = str(tmp_path / "engine.sock")
     cp = ControlPlane(load_config({"engine": {"grpcSocket": sock, "maxBatchSize": 8}}))
-    assert cp.start()
+    cp.start()
     engine, latency = FakeEngine(), FakeLatency()
     cp.attach(engine, engine.stats, latency, "cpu", "tiny")
     try:
@@ -136,7 +136,8 @@ def test_socket_paths_are_unix_only_and_single_owner(plane: Any, tmp_path: Path)
         with pytest.raises(ControlPlaneError):
             socket_path(bad)
     # A second engine on a live socket does not steal it.
-    assert not ControlPlane(load_config({"engine": {"grpcSocket": sock}})).start()
+    with pytest.raises(ControlPlaneError, match="another process is serving"):
+        ControlPlane(load_config({"engine": {"grpcSocket": sock}})).start()
     assert EngineClient(sock).status().model == "tiny"
 
 
