@@ -160,6 +160,12 @@ class PrefixCacheSection(_Model):
     enabled: bool = True
 
 
+class WarmupSection(_Model):
+    """Prompts prefilled into the prefix cache at start-up, before readiness turns true."""
+
+    prompts: list[str] = Field(default_factory=list, max_length=256)
+
+
 class CompressionSection(_Model):
     enabled: bool = True
     bits: Literal[8, 4] = 8
@@ -179,6 +185,7 @@ class ConfKVSection(_Model):
     budget_mode: Literal["always", "pressure"] = "always"
     eviction: EvictionSection = EvictionSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
+    warmup: WarmupSection = WarmupSection()
     max_cache_size: str | None = None
     compression: CompressionSection = CompressionSection()
 

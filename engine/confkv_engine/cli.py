@@ -40,6 +40,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "max_waiting": ("engine", "max_waiting"),
     "api_key": ("engine", "api_key"),
     "grpc_socket": ("engine", "grpc_socket"),
+    "cache_dir": ("engine", "cache_dir"),
     "max_cache_size": ("confkv", "max_cache_size"),
     "kv_policy": ("confkv", "kv_policy"),
     "kv_budget": ("confkv", "budget"),
@@ -79,6 +80,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--kv-policy", choices=["full", "streaming", "h2o", "conf-kv"], help="KV retention policy")
     add("--kv-budget", type=float, metavar="F", help="per-sequence KV budget, fraction of the full cache")
     add("--kv-budget-tokens", type=int, metavar="N", help="per-sequence KV budget in tokens")
+    add("--no-prefix-cache", action="store_true", help="do not share KV blocks of common prefixes")
+    add("--cache-dir", metavar="DIR",
+        help="directory (NVMe) for evicted prefix blocks and their index, rebuilt at start-up")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -110,6 +114,8 @@ def build_config(args: argparse.Namespace) -> ConfKVConfig:
             problems = "; ".join(f"{section}.{'.'.join(map(str, e['loc'])) or '<section>'}: {e['msg']}"
                                  for e in err.errors())
             raise ConfigError(f"invalid command-line flags: {problems}") from None
+    if getattr(args, "no_prefix_cache", False):
+        config = with_overrides(config, "confkv", prefix_cache={"enabled": False})
     if config.confkv.budget is not None and config.confkv.budget_tokens is not None:
         raise ConfigError("set at most one of --kv-budget and --kv-budget-tokens")
     return config

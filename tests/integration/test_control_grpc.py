@@ -120,13 +120,15 @@ def test_update_policy_valid_then_invalid(stub: pb_grpc.EngineControlStub) -> No
 
 
 def test_missing_capabilities_answer_failed_precondition(stub: pb_grpc.EngineControlStub) -> None:
-    calls = ((stub.Compress, pb.CompressRequest(force=True)), (stub.RebuildIndex, pb.RebuildIndexRequest()),
-             (stub.Warmup, pb.WarmupRequest()))
-    for method, request in calls:
+    calls = ((stub.Compress, pb.CompressRequest(force=True), "missing"),
+             (stub.RebuildIndex, pb.RebuildIndexRequest(), "engine.cacheDir"))  # started without one
+    for method, request, word in calls:
         with pytest.raises(grpc.RpcError) as err:
             method(request, timeout=5)
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert "missing" in err.value.details()
+        assert word in err.value.details()
+    # No prompts and no disk tier remembering hot prefixes: nothing to do, and it says so.
+    assert "nothing to warm up" in stub.Warmup(pb.WarmupRequest(), timeout=30).message
 
 
 def test_watch_status_streams(stub: pb_grpc.EngineControlStub) -> None:

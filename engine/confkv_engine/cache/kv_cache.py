@@ -313,6 +313,15 @@ class KVCache:
         self.eviction.release(key)  # the index's reference only: evictable until someone hits it
         return True
 
+    def offer_all(self) -> int:
+        """Offer every cached entry to the sink (at shutdown, so a restart finds them on disk)."""
+        if self.sink is None or self.prefix is None:
+            return 0
+        entries = self.prefix.entries()
+        for entry in entries:
+            self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(entry.key)))
+        return len(entries)
+
     def set_eviction_k(self, k: int) -> None:
         """Live LRU-K change: cached blocks and their history stay."""
         self.eviction.set_k(k)

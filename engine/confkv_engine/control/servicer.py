@@ -13,8 +13,10 @@ What the engine can do today, and therefore what the RPCs do:
   (``EngineControlTarget.live_fields``: ``engine.maxBatchSize`` and the retention defaults) take
   effect between two scheduler steps; other fields are validated, versioned and stored, and
   reported as deferred (the engine reads them at start only).
-- Compress, RebuildIndex, Warmup: FAILED_PRECONDITION naming the missing capability (no quantized
-  block compression, no cache-directory log, no prefix cache yet). Nothing pretends.
+- RebuildIndex: rebuilds the disk tier's index from its record files (FAILED_PRECONDITION without
+  ``engine.cacheDir``). Warmup: prefills the given prompts, or the disk tier's most-hit prefixes,
+  into the prefix cache and answers once they are cached. Compress: the cache's quantized
+  compression; FAILED_PRECONDITION when the engine cannot do what is asked. Nothing pretends.
 
 Server integration (``confkv_engine.server``): ``ControlPlane(config)``, ``start()`` at start-up,
 ``attach(target, ...)`` once the engine runs, ``stop()`` at shutdown. The servicer reaches the engine
@@ -54,13 +56,13 @@ from confkv_engine.core.control_api import EngineControlTarget, EngineStats, Pol
 
 log = logging.getLogger("confkv.control")
 
+MAX_WARMUP_PROMPTS = 256
+DEFAULT_WARMUP_TOP_K = 8
 MISSING = {
     "compress": "this engine has no KV block compression yet (capability 'compress' is missing): cold blocks "
                 "are never quantized, so there is nothing to compress; nothing was changed",
-    "rebuild-index": "this engine has no cache-directory log or block index yet (capability 'rebuild-index' "
-                     "is missing): there is nothing to rebuild; nothing was changed",
-    "prefix-cache": "this engine has no prefix cache yet (capability 'prefix-cache' is missing): there is "
-                    "nothing to warm up; nothing was changed",
+    "prefix-cache": "this engine runs without a prefix cache (confkv.prefixCache.enabled is false): there "
+                    "is nothing to warm up; nothing was changed",
 }
 
 
@@ -86,6 +88,9 @@ class EngineBinding:
     registry: Any | None  # prometheus CollectorRegistry holding the request-latency histogram
     device: str
     model_name: str
+    # Prefill prompts (or, given none, the top-k remembered hot prefixes) into the prefix cache and
+    # wait for them: returns (prompts run, blocks cached now). From the server, which has the tokenizer.
+    warmup: Callable[[list[str], int], tuple[int, int]] | None = None
 
     def capabilities(self) -> list[str]:
         caps = [f"live:{field}" for field in self.target.live_fields()]
@@ -145,8 +150,9 @@ class ControlPlane:
         log.info("gRPC control plane (confkv.v1.EngineControl) on unix://%s", path)
 
     def attach(self, target: EngineControlTarget, stats: Callable[[], EngineStats], registry: Any | None,
-               device: str, model_name: str) -> None:
-        binding = EngineBinding(target, stats, registry, device, model_name)
+               device: str, model_name: str,
+               warmup: Callable[[list[str], int], tuple[int, int]] | None = None) -> None:
+        binding = EngineBinding(target, stats, registry, device, model_name, warmup)
         self.store = PolicyStore(self.config.confkv, target.max_batch_size,
                                  live_fields=target.live_fields(), apply=binding.apply_policy)
         self._binding = binding
@@ -264,7 +270,27 @@ class ControlServicer(pb_grpc.EngineControlServicer):
 
     def RebuildIndex(self, request: pb.RebuildIndexRequest,
                      context: grpc.ServicerContext) -> pb.ActionResponse:
-        return self._missing("rebuild-index", context)
+        binding, _ = self._require(context)
+        try:
+            message = binding.target.rebuild_index()
+        except PolicyRejected as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        log.info("RebuildIndex: %s", message)
+        return pb.ActionResponse(message=message, blocks_affected=binding.stats().disk_records)
 
     def Warmup(self, request: pb.WarmupRequest, context: grpc.ServicerContext) -> pb.ActionResponse:
-        return self._missing("prefix-cache", context)
+        binding, _ = self._require(context)
+        if request.top_k < 0 or len(request.prompts) > MAX_WARMUP_PROMPTS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"top_k must be >= 0 and at most {MAX_WARMUP_PROMPTS} prompts are accepted")
+        if binding.warmup is None or not binding.stats().prefix_cache_enabled:
+            return self._missing("prefix-cache", context)
+        before = binding.stats().prefix_hit_tokens
+        try:
+            prompts, cached = binding.warmup(list(request.prompts), request.top_k or DEFAULT_WARMUP_TOP_K)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        message = (f"warmed {prompts} prompt(s) into the prefix cache ({cached} blocks cached now)"
+                   if prompts else "nothing to warm up: no prompts given and no remembered hot prefixes")
+        log.info("Warmup: %s (hits so far %d)", message, before)
+        return pb.ActionResponse(message=message, blocks_affected=cached)

@@ -357,6 +357,8 @@ class LLMEngine:
     def close(self) -> None:
         """Release what outlives requests (the disk tier's writer and index)."""
         if self.disk is not None:
+            with self._lock:
+                self.cache.offer_all()
             self.disk.flush()
             self.disk.close()
 
