@@ -52,7 +52,7 @@ from confkv_engine.control.policy import (
     PolicySnapshot,
     PolicyStore,
 )
-from confkv_engine.core.control_api import EngineControlTarget, EngineStats, PolicyRejected
+from confkv_engine.core.control_api import CapacityInUse, EngineControlTarget, EngineStats, PolicyRejected
 
 log = logging.getLogger("confkv.control")
 
@@ -103,6 +103,8 @@ class EngineBinding:
         """The one place a policy reaches the engine; called by the PolicyStore under its lock."""
         try:
             self.target.apply_policy(snapshot.confkv, snapshot.max_batch_size, live)
+        except CapacityInUse as err:  # valid, but not now: FAILED_PRECONDITION
+            raise PolicyNotLive(str(err)) from None
         except PolicyRejected as err:
             raise PolicyInvalid(str(err)) from None
 
@@ -196,7 +198,12 @@ class ControlPlane:
             avg_latency_seconds=total / count if count else 0.0,
             prefix_cache_enabled=s.prefix_cache_enabled,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
-            device_memory=pb.DeviceMemory(device=label, used_bytes=int(used), total_bytes=int(capacity)),
+            device_memory=pb.DeviceMemory(device=label, used_bytes=int(used), total_bytes=int(capacity),
+                                          effective_used_bytes=max(0, int(used) - s.kv_bytes_reclaimable)),
+            kv_bytes_reclaimable=s.kv_bytes_reclaimable, eviction_k=s.eviction_k,
+            prefix_hit_ratio_window=s.prefix_hit_ratio_window,
+            disk_records=s.disk_records, disk_bytes=s.disk_bytes,
+            rebuild_records_skipped=s.rebuild_records_skipped,
             policy_version=policy.version, policy_json=policy.to_json(),
             startup_policy_json=store.startup.to_json(), capabilities=binding.capabilities(),
             time_to_first_token=histogram_message(binding.registry, names.TIME_TO_FIRST_TOKEN_SECONDS),

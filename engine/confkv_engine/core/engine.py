@@ -35,6 +35,8 @@ from confkv_engine.core.control_api import (
     BATCH_FIELD,
     EVICTION_FIELD,
     RETENTION_FIELDS,
+    SIZE_FIELD,
+    CapacityInUse,
     EngineStats,
     PolicyRejected,
 )
@@ -336,11 +338,19 @@ class LLMEngine:
             self.scheduler.max_batch_size = n
 
     def live_fields(self) -> list[str]:
-        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD]
+        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD, SIZE_FIELD]
 
     def capabilities(self) -> list[str]:
         caps = ["prefix-cache", "warmup"] if self.cache.prefix is not None else []
         return caps + (["rebuild-index"] if self.disk is not None else [])
+
+    def _resize(self, max_cache_size: str | None) -> None:
+        size = parse_size(max_cache_size) if max_cache_size else None
+        blocks = resolve_cache_bytes(size, self.device) // self.cache.spec.block_bytes - 1  # less the null
+        try:
+            self.cache.resize(blocks)
+        except ValueError as err:
+            raise CapacityInUse(f"maxCacheSize {max_cache_size!r} refused: {err}") from None
 
     def rebuild_index(self) -> str:
         """Rebuild the disk tier's index from its record files (torn or corrupt ones are skipped)."""
@@ -375,6 +385,8 @@ class LLMEngine:
         if max_batch_size < 1:
             raise PolicyRejected(f"invalid policy: maxBatchSize must be >= 1, got {max_batch_size}")
         with self._lock:  # the engine steps under this lock: the change lands between two steps
+            if SIZE_FIELD in changed:  # first: it is the one change that can still be refused here
+                self._resize(confkv.max_cache_size)
             if BATCH_FIELD in changed:
                 self.scheduler.max_batch_size = max_batch_size
             if retention is not None:
@@ -416,6 +428,7 @@ class LLMEngine:
                 prefix_queried_tokens=self.cache.hits.queried, prefix_hit_tokens=self.cache.hits.hit,
                 prefix_hit_ratio_window=self.cache.hits.window_ratio(),
                 kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
+                kv_bytes_reclaimable=self.cache.reclaimable_bytes,
                 eviction_k=self.cache.eviction.k, **self._disk_stats())
 
     def _disk_stats(self) -> dict[str, int]:
