@@ -203,7 +203,7 @@ def test_dashboard_covers_every_metric(helm: str) -> None:
 
 def test_service_monitor_selects_operator_services(helm: str) -> None:
     sys.path.insert(0, str(REPO / "operator"))
-    from confkv_api.config import DeploymentSpec
+    from confkv_api.deployment import DeploymentSpec
     from confkv_operator.builders import build_service
     from confkv_operator.settings import OperatorSettings
 

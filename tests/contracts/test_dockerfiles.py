@@ -78,7 +78,7 @@ def test_engine_image_pins_torch_and_the_embedded_model() -> None:
 
 def test_engine_image_provides_every_pod_command() -> None:
     """The operator runs these programs from the engine image: each must be installed there."""
-    from confkv_api.config import load_deployment_spec
+    from confkv_api.deployment import load_deployment_spec
     from confkv_operator.pod import build_deployment
     from confkv_operator.settings import OperatorSettings
 
