@@ -65,7 +65,9 @@ def _chart_cases() -> list[tuple[str, dict[str, Any] | None]]:
     if helm is None:
         return [("chart-helm-missing", None)]
     cases: list[tuple[str, dict[str, Any] | None]] = []
-    for label, extra in (("default", ()), ("ci", ("-f", str(CI_VALUES)))):
+    value_sets = (("default", ()), ("ci", ("-f", str(CI_VALUES))),
+                  ("namespace", ("--set", "scope=namespace")))
+    for label, extra in value_sets:
         for obj in render(helm, *extra):
             cases.append((f"chart-{label}-{obj['kind']}-{obj['metadata']['name']}", obj))
     return cases
