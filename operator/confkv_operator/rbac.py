@@ -28,7 +28,10 @@ What RBAC cannot narrow for the agent (its per-CR Role narrows what it can):
   (``<name>-<hash>-<suffix>``) and RBAC has no name prefixes or label selectors. The Role is per CR and
   per namespace, so an agent can read and patch pods of its own namespace only. The chart's optional
   ValidatingAdmissionPolicy (``agentPodGuard``) closes the rest: a request made with an agent's pod-bound
-  token may change only that same pod, and only its ``confkv.io/last-remediation`` annotation.
+  token may change only that same pod, and only its ``confkv.io/last-remediation`` annotation. The policy
+  recognises agents by a marker permission in their Role, ``get`` on ``confkvdeployments/agent`` (a
+  subresource that does not exist), held by no one else but the operator (which must hold what it
+  grants) and cluster admins; both can list ConfKVDeployments, which agents cannot, so neither is matched.
 - events create cannot be narrowed at all (``resourceNames`` does not apply to create).
 """
 
@@ -40,12 +43,16 @@ Rule = dict[str, Any]
 
 GROUP = "confkv.io"
 PLURAL = "confkvdeployments"
+AGENT_MARKER = "agent"
 
 #: What the agent sidecar does in its own namespace: read and annotate its pod, post Events, read its CR.
 AGENT_RULES: list[Rule] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get"]},
+    # A marker, not an access: the subresource does not exist. The chart's admission policy asks the
+    # authorizer for it to recognise an agent's token (see the module docstring).
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/{AGENT_MARKER}"], "verbs": ["get"]},
 ]
 
 #: What the operator's own requests use (Kopf's watches and patches, child create-or-patch, status).

@@ -144,7 +144,8 @@ def test_agent_role_is_namespaced_and_minimal() -> None:
     triples = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}
     assert triples == {("", "pods", "get"), ("", "pods", "patch"), ("", "events", "create"),
-                       ("confkv.io", "confkvdeployments", "get")}
+                       ("confkv.io", "confkvdeployments", "get"),
+                       ("confkv.io", "confkvdeployments/agent", "get")}  # the admission policy's marker
     cr_rule = next(r for r in role["rules"] if "confkvdeployments" in r["resources"])
     assert cr_rule["resourceNames"] == ["demo"]
 
