@@ -169,3 +169,30 @@ def test_auth_condition_says_whether_the_api_is_open() -> None:
     assert "cluster network" in open_["message"] and "apiKeySecretRef" in open_["message"]
     keyed = auth_condition("demo", ("demo-api", "bearer"), 3)
     assert keyed["status"] == "True" and "demo-api" in keyed["message"]
+
+
+# --- Pod Security Standards ---------------------------------------------------------------------
+
+#: Volume types the "restricted" Pod Security Standard allows.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+@pytest.mark.parametrize("spec", [
+    {}, KEYED, {"cacheStorage": {"type": "pvc", "claimName": "c"}, "resources": {"gpusPerPod": 1}},
+    {"model": {"hfId": "a/b", "source": "/models/b", "tokenSecretRef": "hf"},
+     "modelStorage": {"claimName": "m"}},
+])
+def test_pods_meet_the_restricted_pod_security_standard(spec: dict[str, Any]) -> None:
+    """Without hostPath (even "baseline" forbids it) the pods run in a namespace enforcing "restricted"."""
+    pod = _pod(spec, DEFAULT)
+    for volume in pod["volumes"]:
+        assert set(volume) - {"name"} <= RESTRICTED_VOLUMES, volume
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod)
+    for container in _containers(pod).values():
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}
+        assert context["runAsNonRoot"] is True and not context.get("privileged")
+        assert "ports" not in container or all("hostPort" not in p for p in container["ports"])
