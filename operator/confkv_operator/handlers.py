@@ -149,6 +149,9 @@ def configure(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:
     if ours.peering_name:
         settings.peering.name = ours.peering_name
         settings.peering.priority = ours.peering_priority
+        # The chart creates one ClusterKopfPeering. With CONFKV_NAMESPACES set Kopf would otherwise look
+        # for a KopfPeering in every watched namespace (and globs cannot be enumerated).
+        settings.peering.clusterwide = True
 
 
 def register(registry: kopf.OperatorRegistry, ours: OperatorSettings, kube: Kube | None = None) -> None:
