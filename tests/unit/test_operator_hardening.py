@@ -129,6 +129,18 @@ def test_only_the_agent_container_mounts_an_api_token() -> None:
             assert token_mounts == [], f"{name} must not get a Kubernetes API token"
 
 
+def test_the_projected_token_is_where_the_agents_kubernetes_client_reads_it() -> None:
+    """The agent calls kubernetes.config.load_incluster_config(): token and CA at its fixed paths."""
+    from kubernetes.config import incluster_config
+
+    (volume,) = [v for v in _pod({})["volumes"] if v["name"] == n.API_TOKEN_VOLUME]
+    files = {f"{n.API_TOKEN_DIR}/{s['serviceAccountToken']['path']}" for s in volume["projected"]["sources"]
+             if "serviceAccountToken" in s}
+    files |= {f"{n.API_TOKEN_DIR}/{item['path']}" for s in volume["projected"]["sources"] if "configMap" in s
+              for item in s["configMap"]["items"]}
+    assert {incluster_config.SERVICE_TOKEN_FILENAME, incluster_config.SERVICE_CERT_FILENAME} <= files
+
+
 # --- API key ----------------------------------------------------------------------------------------
 
 KEYED = {"engine": {"apiKeySecretRef": {"name": "demo-api", "key": "bearer"}}}
