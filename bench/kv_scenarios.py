@@ -1,4 +1,4 @@
-"""Sub-benchmarks of ``bench/kv_quality.py`` (issue 3, benchmark (a)-(c)), one per ``--scenario``:
+"""Sub-benchmarks of ``bench/kv_quality.py``, one per ``--scenario``:
 
 - ``long``: the guide's scenario scaled to the embedded model: a short pydoc prompt, then
   ``--gen`` generated tokens (``ignore_eos``, greedy); peak KV bytes of the full cache vs conf-kv at

@@ -3,7 +3,7 @@
 No paging, no chunks, no engine: a causal mask that keeps the 4 sinks and a recent window, over
 the three 2,048-token test windows of ``kv_quality.py``. Two protocols:
 
-- ``current``: window = f x the current length, NLL over the second halves (issue 3's definition,
+- ``current``: window = f x the current length, NLL over the second halves (the definition the targets use,
   what ``kv_quality.py`` measures through the engine);
 - ``fixed``: window = f x 2,048 tokens kept, NLL over the whole window.
 

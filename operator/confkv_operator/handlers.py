@@ -183,7 +183,8 @@ def register(registry: kopf.OperatorRegistry, ours: OperatorSettings, kube: Kube
 
     @kopf.on.delete(*resource, registry=registry, optional=True)
     def _delete(body: kopf.Body, **_: Any) -> None:
-        # No finalizer: every child has an ownerReference, so the garbage collector removes them.
+        # optional=True: this handler adds no finalizer of its own and cleans nothing up (every child has
+        # an ownerReference, so the garbage collector removes them); Kopf's finalizer is the timer's.
         log.info("deleted %s/%s; children are garbage-collected", body.metadata.namespace, body.metadata.name)
 
     @kopf.timer(*resource, registry=registry, interval=ours.resync_seconds, idle=None)

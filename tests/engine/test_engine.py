@@ -28,7 +28,7 @@ def loaded(tmp_path_factory):
 def make_engine(loaded, blocks: int | None = None, **engine) -> LLMEngine:
     args = loaded.model.args
     block_bytes = args.num_layers * args.num_kv_heads * (args.head_dim * 4 + 4) * engine.get("blockSize", 16)
-    size = str(blocks * block_bytes) if blocks else "8Mi"
+    size = str((blocks + 1) * block_bytes) if blocks else "8Mi"  # + the null block the cache reserves
     cfg = ConfKVConfig.model_validate({"engine": {"prefillChunk": 32, **engine},
                                        "confkv": {"maxCacheSize": size}})
     return LLMEngine(loaded, cfg)

@@ -1,4 +1,4 @@
-"""Parity with Hugging Face transformers through the paged cache (issue 2, 8a paged part).
+"""Parity with Hugging Face transformers through the paged cache.
 
 Tiny random Llama (llama3 rope scaling) and Qwen2 (q/k/v bias, tied embeddings) models: a 70-token
 prompt (5 blocks of 16) prefilled in chunks of 32 through ``KVCache`` + ``PagedAttention``, batched

@@ -9,6 +9,7 @@ import torch
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.core.scheduler import AdmissionPolicy
 from confkv_engine.model.loader import load_model
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.tiers import TierConfig
@@ -29,7 +30,7 @@ def make_engine(loaded, blocks: int | None = None, retention: RetentionConfig | 
                 **confkv) -> LLMEngine:
     args = loaded.model.args
     block_bytes = args.num_layers * args.num_kv_heads * (args.head_dim * 4 + 4) * 16
-    size = str(blocks * block_bytes) if blocks else "8Mi"
+    size = str((blocks + 1) * block_bytes) if blocks else "8Mi"  # + the null block the cache reserves
     cfg = ConfKVConfig.model_validate({
         "engine": {"prefillChunk": CHUNK, "maxNumBatchedTokens": 256},
         "confkv": {"maxCacheSize": size, "window": CHUNK, **confkv}})
@@ -59,13 +60,11 @@ def test_budget_holds_after_every_step_and_blocks_return(loaded, policy: str) ->
             held = ret.held_bytes(seq.kv, st)
             assert held <= max(0.25 * acct.full_bytes(seq.num_computed), floor) + slack
             # The pool agrees: the sequence's blocks are exactly the ones in use (plus the null block).
-            null = 1 if ret.null.id is not None else 0
-            assert eng.cache.pool.num_used == len(seq.kv.k_blocks) + sum(
-                b != ret.null.id for b in seq.kv.v_blocks) + null
+            assert eng.cache.pool.num_used == eng.cache.held_blocks(seq.kv) + 1
     usage = outs[-1].kv_usage
     assert usage.tokens_discarded > 0 and usage.tokens_full + usage.tokens_key_only < 260
     assert 0 < usage.peak_kv_bytes < eng.cache.blocks_for_tokens(260) * eng.cache.spec.block_bytes
-    assert eng.cache.pool.num_free >= eng.cache.num_blocks - 1  # only the shared null block remains
+    assert eng.cache.num_free == eng.cache.num_blocks  # every block is back
 
 
 def test_per_request_policy_and_stats(loaded) -> None:
@@ -89,6 +88,19 @@ def test_per_request_policy_and_stats(loaded) -> None:
     assert s.kv_bytes_full + s.kv_bytes_key_only == s.kv_bytes_used
 
 
+class GreedyAdmission:
+    """Retention's chunk alignment without its reservations (so the pool runs out and preempts)."""
+
+    def __init__(self, inner: AdmissionPolicy) -> None:
+        self.inner = inner
+
+    def reserved_headroom(self, seq) -> None:
+        return None
+
+    def chunk_alignment(self, seq) -> int:
+        return self.inner.chunk_alignment(seq)
+
+
 def _greedy(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams):
     return eng.generate(prompts, params)
 
@@ -99,7 +111,7 @@ def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded) -> None:
     solo = [_greedy(make_engine(loaded, retention=conf_kv(0.5)), [p], params)[0] for p in prompts]
     eng = make_engine(loaded, blocks=40, retention=conf_kv(0.5))
     # Budget reservations at admission would avoid preemption; admit greedily to force replays.
-    eng.scheduler.headroom_for = None
+    eng.scheduler.admission = GreedyAdmission(eng.retention)
     together = _greedy(eng, prompts, params)
     assert eng.scheduler.num_preemptions > 0
     for a, b in zip(solo, together, strict=True):

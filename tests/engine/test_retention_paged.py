@@ -65,10 +65,8 @@ def test_budget_invariant_after_every_step_and_blocks_return(model, cache, polic
         assert held <= max(f * acct.full_bytes(length), floor) + chunk_bytes, (length, held)
     # Memory really went back: the held bytes at the end are well under the full cache's.
     assert run.held_bytes[-1] < 0.5 * acct.full_bytes(run.lengths[-1]) + chunk_bytes
-    # Every block (including the shared null block's references) is back after the sequence ends.
-    assert cache.pool.num_free >= free_before - (1 if manager.null.id is not None else 0)
-    if manager.null.id is not None:
-        assert cache.pool.ref_count(manager.null.id) == 1
+    # Every block is back after the sequence ends (the null block was never handed out).
+    assert cache.num_free == free_before and cache.pool.ref_count(cache.null_block) == 1
 
 
 def test_compaction_frees_blocks_in_the_same_step(model, cache) -> None:
@@ -91,7 +89,7 @@ def test_key_only_tier_frees_values(model, cache) -> None:
     _run_chunks(model, cache, manager, backend, seq, state, _tokens(160))
     full, key_only, discarded = state.tier_counts(160)
     assert (full, key_only, discarded) == (4 + CHUNK, 160 - 4 - CHUNK, 0)
-    nulls = sum(b == manager.null.id for b in seq.v_blocks)
+    nulls = sum(b == cache.null_block for b in seq.v_blocks)
     assert nulls == key_only // BLOCK and len(seq.k_blocks) == 10
     assert manager.held_bytes(seq, state) == state.acct.held_bytes(160, full)
     # KEY_ONLY slots come first per unit, in position order, then FULL (sinks, window).
@@ -106,8 +104,8 @@ def test_null_block_survives_sequences_that_end(model, cache) -> None:
     manager = RetentionManager(cache, 4, cfg, CHUNK)
     for seed in (1, 2):  # the second sequence reuses the null block after the first freed its entries
         run_sequence(model, cache, manager, cfg, _tokens(128, seed), CHUNK)
-        assert cache.pool.ref_count(manager.null.id) == 1
-    assert cache.pool.num_free == cache.pool.num_blocks - 1
+        assert cache.pool.ref_count(cache.null_block) == 1
+    assert cache.num_free == cache.num_blocks
 
 
 def _run_chunks(model, cache, manager, backend, seq, state, toks: list[int]) -> None:

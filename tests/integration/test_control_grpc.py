@@ -10,11 +10,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import engine_server
 import grpc
 import httpx
 import pytest
@@ -28,26 +28,16 @@ pytestmark = pytest.mark.timeout(600)
 START_BATCH = 8
 CONFIG: dict[str, Any] = {
     "engine": {"maxBatchSize": START_BATCH},
-    # Every finished request is "slow": the latency rule fires as soon as two have finished.
-    "alerts": {"latencyMs": {"threshold": 1, "for": "0s"}},
+    # Every finished request is "slow" end to end: the latency rule fires as soon as two have finished,
+    # and with an empty queue its remedy is smaller batches.
+    "alerts": {"latencyMs": {"threshold": 1, "for": "0s", "signal": "e2e"}},
     "remediation": {"cooldown": "1h", "allowedActions": ["smallerBatches", "compress"]},
 }
 
 
 def wait_for(check: Callable[[], Any], what: str, deadline_s: float = 60.0,
              log: Callable[[], str] = str) -> Any:
-    deadline = time.monotonic() + deadline_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (grpc.RpcError, httpx.TransportError) as err:
-            last = err
-        else:
-            if last:
-                return last
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not seen within {deadline_s}s (last: {last!r})\n{log()}")
+    return engine_server.wait_for(check, what, deadline_s, log, errors=(grpc.RpcError, httpx.TransportError))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 `kubernetes` Python client and the real `kubectl`.
 
 Why not kmock: kmock 0.8 lacks resourceVersion/uid/generation, answers POST with 200, crashes on
-`/api/v1/namespaces`, advertises core discovery wrongly and replays watches (see DESIGN.md).
+`/api/v1/namespaces`, advertises core discovery wrongly and replays watches.
 
 Usage::
 

@@ -48,36 +48,39 @@ def test_k_and_v_tables_come_from_one_pool_and_bytes_are_counted_from_it() -> No
     cache = _cache()
     seq = SeqKV()
     assert cache.blocks_needed(seq, 5) == 4  # 2 K blocks + 2 V blocks
+    assert cache.null_block == 0 and cache.num_blocks == 9  # reserved at start, nobody's
     cache.reserve(seq, 5)
-    assert (seq.k_blocks, seq.v_blocks) == ([0, 1], [2, 3])
+    assert (seq.k_blocks, seq.v_blocks) == ([1, 2], [3, 4])
     assert cache.seq_bytes(seq) == 4 * cache.spec.block_bytes == cache.used_bytes
     cache.commit(seq, 5)
     assert cache.blocks_needed(seq, 3) == 0 and cache.blocks_needed(seq, 4) == 2
     cache.free(seq)
-    assert cache.pool.num_free == 10 and seq.num_slots == 0 and seq.k_blocks == []
+    assert cache.num_free == 9 and seq.num_slots == 0 and seq.k_blocks == []
 
 
-def test_uniform_compaction_frees_tail_blocks_in_the_same_call() -> None:
+def test_rewrite_keeps_the_planned_slots_and_frees_tail_blocks_in_the_same_call() -> None:
     cache = _cache()
     seq = SeqKV()
     cache.reserve(seq, 12)
-    cache.pos[:, :, :] = -1
+    cache.plan_writes([seq], [12], torch.arange(12))
     cache.commit(seq, 12)
-    keep = torch.zeros(2, 2, 12, dtype=torch.bool)
-    keep[..., :4] = True  # sinks
-    keep[..., 10:] = True  # recent window
-    assert cache.compact(seq, keep) == 2  # 3 -> 2 blocks per table
-    assert seq.num_slots == 6 and seq.head_slots is None
-    assert cache.pool.num_free == 10 - 4
+    keep = torch.tensor(list(range(4)) + [10, 11])  # sinks and the recent window
+    order = keep.expand(2, 2, 6)
+    assert cache.rewrite(seq, order, n_key=0) == 2  # 3 -> 2 blocks per table
+    assert seq.num_slots == 6 and cache.num_free == 9 - 4
+    assert cache.slot_positions(seq)[0, 0].tolist() == [0, 1, 2, 3, 10, 11]
+    # The first block's values dropped (KEY_ONLY): its V entry becomes the null block, freed now.
+    assert cache.rewrite(seq, torch.arange(6).expand(2, 2, 6), n_key=4) == 1
+    assert seq.v_blocks[0] == cache.null_block and cache.held_blocks(seq) == 3
 
 
 def test_block_bytes_and_budget_sizing() -> None:
     spec = CacheSpec(3, 2, 8, 16, torch.bfloat16, torch.device("cpu"))
     assert spec.block_bytes == 16 * 3 * 2 * (8 * 2 + 4)
     cache = KVCache.from_budget(spec, 10 * spec.block_bytes + 5)
-    assert cache.num_blocks == 10
+    assert cache.num_blocks == 9  # the null block is the pool's tenth
     with pytest.raises(ValueError, match="maxCacheSize"):
-        KVCache.from_budget(spec, spec.block_bytes)
+        KVCache.from_budget(spec, 2 * spec.block_bytes)
     assert resolve_cache_bytes(("bytes", 12345.0), torch.device("cpu")) == 12345
     assert resolve_cache_bytes(None, torch.device("cpu")) == 1 << 30
     assert 0 < resolve_cache_bytes(("fraction", 0.01), torch.device("cpu"))

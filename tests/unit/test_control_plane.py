@@ -1,12 +1,12 @@
-"""The engine's gRPC control plane over a real Unix socket, with a stand-in engine object (the
-scheduler attribute the control plane changes and a stats snapshot), driven by the agent's client;
-then the agent's loop ticking against it with injected time. No model is loaded here: the real engine
-and agent processes are covered by tests/integration/test_control_grpc.py."""
+"""The engine's gRPC control plane over a real Unix socket, with a stand-in engine that implements
+the control protocol (``EngineControlTarget``: a batch size to change and a stats snapshot), driven by
+the agent's client; then the agent's loop ticking against it with injected time. Retention's live
+fields run against a real ``LLMEngine`` on a tiny random model; the real engine and agent processes
+are covered by tests/integration/test_control_grpc.py."""
 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,24 +16,38 @@ import grpc
 import pytest
 
 from confkv_agent.apply import EngineClient, EngineError
+from confkv_agent.kube import KubeRecorder
 from confkv_agent.loop import Agent
-from confkv_agent.record import LAST_REMEDIATION_ANNOTATION, KubeRecorder
 from confkv_api.config import load_config
 from confkv_engine.control.policy import PolicyInvalid, PolicyNotLive, PolicyStore
 from confkv_engine.control.servicer import ControlPlane, ControlPlaneError, socket_path
-from confkv_engine.core.engine import EngineStats
+from confkv_engine.core.control_api import BATCH_FIELD, EngineStats
 
 
 class FakeEngine:
-    """The attributes of LLMEngine the control plane touches, with counters a test can move."""
+    """``EngineControlTarget`` with a batch size only, and counters a test can move."""
 
     def __init__(self) -> None:
         self.scheduler = SimpleNamespace(max_batch_size=8)
-        self._lock = threading.RLock()
         self.oom = 0
+        self.waiting = 2
+
+    def live_fields(self) -> list[str]:
+        return [BATCH_FIELD]
+
+    def capabilities(self) -> list[str]:
+        return []
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.scheduler.max_batch_size
+
+    def apply_policy(self, confkv: Any, max_batch_size: int, changed: list[str]) -> None:
+        if BATCH_FIELD in changed:
+            self.scheduler.max_batch_size = max_batch_size
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=1, num_waiting=2, num_total_blocks=100, num_free_blocks=60,
+        return EngineStats(num_running=1, num_waiting=self.waiting, num_total_blocks=100, num_free_blocks=60,
                            block_size=16,
                            kv_bytes_used=4000, kv_bytes_total=10000, kv_bytes_full=4000, kv_bytes_key_only=0,
                            num_preemptions=3, num_oom=self.oom, prompt_tokens_total=50,
@@ -54,7 +68,7 @@ class FakeLatency:
 def plane(tmp_path: Path) -> Iterator[tuple[ControlPlane, FakeEngine, FakeLatency, str]]:
     sock = str(tmp_path / "engine.sock")
     cp = ControlPlane(load_config({"engine": {"grpcSocket": sock, "maxBatchSize": 8}}))
-    assert cp.start()
+    cp.start()
     engine, latency = FakeEngine(), FakeLatency()
     cp.attach(engine, engine.stats, latency, "cpu", "tiny")
     try:
@@ -122,7 +136,8 @@ def test_socket_paths_are_unix_only_and_single_owner(plane: Any, tmp_path: Path)
         with pytest.raises(ControlPlaneError):
             socket_path(bad)
     # A second engine on a live socket does not steal it.
-    assert not ControlPlane(load_config({"engine": {"grpcSocket": sock}})).start()
+    with pytest.raises(ControlPlaneError, match="another process is serving"):
+        ControlPlane(load_config({"engine": {"grpcSocket": sock}})).start()
     assert EngineClient(sock).status().model == "tiny"
 
 
@@ -142,7 +157,11 @@ def test_policy_store_rejects_and_keeps_state() -> None:
 def test_agent_applies_smaller_batches_and_reverts_after_health(plane: Any, tmp_path: Path) -> None:
     cp, engine, latency, sock = plane
     cfg_path = tmp_path / "confkv.json"
-    doc = {"engine": {"grpcSocket": sock}, "alerts": {"latencyMs": {"threshold": 100, "for": "0s"}},
+    # End-to-end latency (the stand-in keeps no histograms: the window average) with an empty queue:
+    # the answers' length, which smaller batches shorten.
+    engine.waiting = 0
+    doc = {"engine": {"grpcSocket": sock},
+           "alerts": {"latencyMs": {"threshold": 100, "for": "0s", "signal": "e2e"}},
            "remediation": {"cooldown": "30s", "allowedActions": ["smallerBatches", "compress"]}}
     cfg_path.write_text(json.dumps(doc))
     agent = Agent(load_config(doc), EngineClient(sock), config_path=str(cfg_path), kube=KubeRecorder({}))
@@ -168,37 +187,32 @@ def test_agent_applies_smaller_batches_and_reverts_after_health(plane: Any, tmp_
     assert agent.metrics.registry.get_sample_value("confkv_agent_policy_version") == status.policy_version
 
 
-def test_the_agent_writes_the_annotation_the_operator_reads() -> None:
-    from confkv_operator.names import LAST_REMEDIATION_ANNOTATION as OPERATOR_READS
-
-    assert LAST_REMEDIATION_ANNOTATION == OPERATOR_READS
-
-
-def test_retention_settings_are_live_when_the_engine_has_a_retention_manager(tmp_path: Path) -> None:
+def test_retention_settings_are_live_in_a_real_engine(tmp_path: Path) -> None:
     import torch
 
-    from confkv_engine.cache.kv_cache import CacheSpec, KVCache
-    from confkv_engine.retention.manager import RetentionManager, config_from_section
+    from confkv_engine.core.engine import LLMEngine
+    from confkv_engine.model.loader import load_model
+    from tests.engine.tiny_models import make_tiny_hf_model
 
+    _, model_dir = make_tiny_hf_model("llama", tmp_path / "tiny")
     config = load_config({"engine": {"grpcSocket": str(tmp_path / "r.sock"), "prefillChunk": 64},
-                          "confkv": {"kvPolicy": "conf-kv", "window": 64}})
-    engine = FakeEngine()
-    engine.scheduler.prefill_chunk = 64
-    cache = KVCache(CacheSpec(1, 1, 8, 16, torch.float32, torch.device("cpu")), 8)
-    engine.retention = RetentionManager(cache, 1, config_from_section(config.confkv), 64)
+                          "confkv": {"kvPolicy": "conf-kv", "window": 64, "maxCacheSize": "4Mi"}})
+    engine = LLMEngine(load_model(str(model_dir), dtype=torch.float32, device="cpu"), config)
     cp = ControlPlane(config)
     cp.attach(engine, engine.stats, None, "cpu", "tiny")
     assert cp.store is not None
     change = cp.store.update({"confidenceThresholds": {"high": 0.95, "medium": 0.8}}, max_batch_size=4,
                              require_live=True)
     assert change.deferred == [] and engine.retention.defaults.tiers.high == 0.95
-    assert engine.scheduler.max_batch_size == 4
+    assert engine.max_batch_size == 4
     # A window smaller than a prefill chunk is refused before anything changes.
     with pytest.raises(PolicyInvalid, match="prefill chunk"):
         cp.store.update({"window": 32}, max_batch_size=2)
-    assert engine.scheduler.max_batch_size == 4 and engine.retention.defaults.tiers.window == 64
+    assert engine.max_batch_size == 4 and engine.retention.defaults.tiers.window == 64
+    change = cp.store.update({"eviction": {"k": 3}}, require_live=True)  # LRU-K's K is live too
+    assert change.deferred == [] and engine.cache.eviction.k == 3
     with pytest.raises(PolicyNotLive):
-        cp.store.update({"eviction": {"k": 3}}, require_live=True)
+        cp.store.update({"prefixCache": {"enabled": False}}, require_live=True)
 
 
 def test_bad_config_edits_keep_the_previous_config_and_are_reported_once(plane: Any, tmp_path: Path) -> None:
@@ -227,7 +241,9 @@ def test_without_a_config_file_the_engine_start_up_policy_is_the_baseline(plane:
     cp, engine, latency, sock = plane
     client = EngineClient(sock)
     client.update_policy({"eviction": {"k": 5}})  # someone changed it by hand: not the agent's business
-    doc = {"alerts": {"latencyMs": {"threshold": 100, "for": "0s"}}, "remediation": {"cooldown": "10s"}}
+    engine.waiting = 0
+    doc = {"alerts": {"latencyMs": {"threshold": 100, "for": "0s", "signal": "e2e"}},
+           "remediation": {"cooldown": "10s"}}
     agent = Agent(load_config(doc), client, config_path=None, kube=KubeRecorder({}))
     agent.tick(0)
     assert json.loads(client.status().policy_json)["confkv"]["eviction"]["k"] == 5  # no file: nothing pushed

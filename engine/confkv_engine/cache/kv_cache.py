@@ -1,38 +1,30 @@
 """Paged KV cache: device tensors, per-sequence block tables and slot metadata.
 
-Layout (chosen so token-level retention can land without rewriting the core):
+The cache is the only writer of block tables, pool reference counts and slot positions: the
+attention backend asks it where a step's keys and values go (``plan_writes``), retention asks it to
+rewrite a sequence by a plan (``rewrite``), the scheduler asks it to reserve and free.
+
+Layout:
 
 - **One pool of blocks** (``BlockPool``). A block is ``block_size`` token slots for *one* of K or V,
   over all layers: ``kv[L, num_blocks, block_size, Hkv, D]`` (model dtype). A sequence holds a K
   block table and a separate V block table drawn from the same pool, so dropping a token's V
-  (KEY_ONLY) can return whole V blocks that are then usable as K or V by anyone. Full-cache cost:
+  (KEY_ONLY) returns whole V blocks that are then usable as K or V by anyone. Full-cache cost:
   2 blocks per ``block_size`` tokens.
-- **Slots, not positions.** Within a sequence, K slot ``s`` of (layer l, KV head h) lives at
-  ``kv[l, k_blocks[s // bs], s % bs, h]``. Keys are stored after RoPE, and ``pos[l, flat_slot, h]``
-  (int32, pool-level, -1 = empty) records the absolute position of the token in every slot, so
-  retention can keep *different token sets per layer and per KV head* (slot s of head 0 and head
-  1 may hold different tokens) and never re-rotates anything.
-- **Slot counts.** ``SeqKV.num_slots`` is the high-water mark over (layer, head); ``head_slots``
-  ``[L, Hkv]`` holds per-(layer, head) counts once they diverge (None while all are equal, the fast
-  path). New tokens of (l, h) are appended at slot ``head_slots[l, h]``; a query sees exactly the
-  slots below its own, so attention needs no positions, only counts (see ``paged_attention``).
-  The sequence's block count is ``ceil(num_slots / bs)`` per table, so equal per-head budgets
-  release whole blocks.
-- **V tied to K (today).** V slot s holds the value of K slot s. The KEY_ONLY tier adds a
-  ``SeqKV.v_map [L, Hkv, num_slots]`` (V slot per K slot, -1 = V dropped) and shrinks
-  ``v_blocks``; that map and the per-(sequence, layer, head) mean of dropped values are the
-  retention work's additions (the backend reads V through the map when it is set).
-
-Retention hooks (the policies live elsewhere):
-
-- ``KVCache.compact(seq, keep[L, Hkv, num_slots])`` moves the kept slots of every (layer, head)
-  forward in order (K, V and positions together) and returns the now-unused tail blocks to the pool
-  in the same call. ``seq_bytes`` counts what a sequence holds from its block tables (the pool's
-  own allocation), K and V separately.
-- The engine calls ``RetentionPolicy.after_step(seq, cache)`` after every prefill chunk and decode
-  step, and the scheduler cuts prefill chunks at multiples of ``block_size`` so that a policy
-  acting only when ``num_computed % block_size == 0`` makes the same decisions on replay after
-  preemption. The default ``FullCache`` policy keeps everything.
+- **Slots, not positions.** K slot ``s`` of a sequence lives at ``kv[l, k_blocks[s // bs], s % bs]``
+  for every layer l. Keys are stored after RoPE, and ``pos[l, flat_slot, h]`` (int32, -1 = empty)
+  records the absolute position of the token in every slot, so retention can keep a different
+  token set per (layer, KV head) at the same slot count and never re-rotates anything. A query sees
+  exactly the slots below its own, so attention needs counts, not positions.
+- **V slot s holds the value of K slot s.** When retention drops the values of a run of slots
+  (KEY_ONLY), the V-table entries that cover only such slots point at the **null block**, one
+  block reserved when the cache is created and never handed out; it is not counted as anyone's.
+- **Prefix cache** (``prefix.PrefixIndex``): full blocks of requests without retention are registered
+  under chained token hashes as soon as they are computed; a new request's longest cached prefix is
+  shared by reference count (``match`` then ``attach``), never copied. Shared blocks are immutable:
+  a sequence only ever writes slots past them, and ``rewrite`` refuses to touch them. Unreferenced
+  cached blocks stay in the pool, evictable in LRU-K order, and are reclaimed only when the free
+  list runs short.
 """
 
 from __future__ import annotations
@@ -43,7 +35,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.block_pool import BlockPool
+from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
+from confkv_engine.cache.eviction import LRUK
+from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
 
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
 # On CPU a fraction ("80%") means that fraction of total RAM, but never more than half of the RAM
@@ -94,96 +88,234 @@ def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.
 
 @dataclass
 class SeqKV:
-    """One sequence's view of the pool."""
+    """One sequence's view of the pool (its tables are written by ``KVCache`` only)."""
 
     k_blocks: list[int] = field(default_factory=list)
     v_blocks: list[int] = field(default_factory=list)
-    num_slots: int = 0  # slots used, max over (layer, KV head)
-    head_slots: Tensor | None = None  # [L, Hkv] int64 per-(layer, head) counts; None = all num_slots
-
-    @property
-    def uniform(self) -> bool:
-        return self.head_slots is None
+    num_slots: int = 0  # slots used, the same in every (layer, KV head)
+    block_keys: list[bytes] = field(default_factory=list)  # chain keys of its leading full blocks
 
 
-class RetentionPolicy(Protocol):
-    """Called by the engine after each prefill chunk / decode step of a running sequence.
+class EvictionSink(Protocol):
+    """Where evicted prefix blocks go and come back from (``offload.DiskTier``); must not block long."""
 
-    ``num_computed`` is the number of token positions processed so far (cached or evicted). A
-    policy may call ``cache.compact`` (and, with KEY_ONLY, drop values); it must keep the most
-    recent ``block_size`` slots of every (layer, head) because the scheduler has already counted on
-    them. Policies should act only when ``num_computed % cache.spec.block_size == 0``.
-    """
+    def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
 
-    def after_step(self, seq_kv: SeqKV, cache: KVCache, num_computed: int) -> None: ...
+    def load_chain(self, cache: KVCache, tokens: list[int], have: list[CachedBlock], max_blocks: int) -> int:
+        ...
 
 
-class FullCache:
-    """The no-op policy: every token stays FULL."""
+@dataclass(frozen=True)
+class WritePlan:
+    """Where a step's new keys and values go: flat pool slot indices [T], in the step's token order."""
 
-    def after_step(self, seq_kv: SeqKV, cache: KVCache, num_computed: int) -> None:
-        return None
+    k_index: Tensor
+    v_index: Tensor
 
 
 class KVCache:
-    def __init__(self, spec: CacheSpec, num_blocks: int) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, prefix_salt: bytes | None = None,
+                 eviction_k: int = 2) -> None:
+        """``prefix_salt``: None turns the prefix cache off; else it names what changes stored K/V
+        besides the tokens (model, dtype), so two models never share an entry."""
         self.spec = spec
         self.pool = BlockPool(num_blocks)
+        salt = None if prefix_salt is None else prefix_salt + f"|{spec.dtype}|{spec.block_size}".encode()
+        self.prefix = None if salt is None else PrefixIndex(salt)
+        self.eviction = LRUK(eviction_k)
+        self.hits = HitCounter()
+        self._clock = 0  # one tick per prefix lookup that admits a request
+        self.sink: EvictionSink | None = None  # where evicted prefix blocks go (the disk tier)
         bs, h, d = spec.block_size, spec.num_kv_heads, spec.head_dim
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
         self.kv_flat = self.kv.view(spec.num_layers, num_blocks * bs, h, d)
         self.pos = torch.full((spec.num_layers, num_blocks * bs, h), -1, dtype=torch.int32,
                               device=spec.device)
+        # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
+        self.null_block = self.pool.allocate(1)[0]
 
     @classmethod
-    def from_budget(cls, spec: CacheSpec, budget_bytes: int) -> KVCache:
+    def from_budget(cls, spec: CacheSpec, budget_bytes: int, prefix_salt: bytes | None = None,
+                    eviction_k: int = 2) -> KVCache:
         num_blocks = budget_bytes // spec.block_bytes
-        if num_blocks < 2:
+        if num_blocks < 3:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes holds {num_blocks} blocks of "
-                f"{spec.block_bytes} bytes; at least 2 are needed (raise maxCacheSize)")
-        return cls(spec, int(num_blocks))
+                f"{spec.block_bytes} bytes; at least 3 are needed (raise maxCacheSize)")
+        return cls(spec, int(num_blocks), prefix_salt, eviction_k)
 
+    # ---- capacity --------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks sequences can hold (the pool less the null block)."""
+        return self.pool.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can get now: the free list plus evictable cached blocks."""
+        return self.pool.num_free + 2 * len(self.eviction)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Pool blocks the prefix index holds (in use or evictable)."""
+        return 2 * len(self.prefix) if self.prefix is not None else 0
 
     @property
     def total_bytes(self) -> int:
-        return self.pool.num_blocks * self.spec.block_bytes
+        return self.num_blocks * self.spec.block_bytes
 
     @property
     def used_bytes(self) -> int:
-        return self.pool.num_used * self.spec.block_bytes
+        return (self.pool.num_used - 1) * self.spec.block_bytes
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def held_blocks(self, seq: SeqKV) -> int:
+        """Pool blocks the sequence holds (K and V tables; null entries are nobody's)."""
+        return len(seq.k_blocks) + sum(1 for b in seq.v_blocks if b != self.null_block)
 
     def seq_bytes(self, seq: SeqKV) -> int:
         """Bytes a sequence holds in the pool (K and V blocks, position metadata included)."""
-        return (len(seq.k_blocks) + len(seq.v_blocks)) * self.spec.block_bytes
+        return self.held_blocks(seq) * self.spec.block_bytes
+
+    def shares_blocks(self, seq: SeqKV) -> bool:
+        """True when another holder references one of the sequence's blocks (then they are immutable)."""
+        ref = self.pool.ref_count
+        return any(ref(b) > 1 for b in seq.k_blocks) or any(
+            b != self.null_block and ref(b) > 1 for b in seq.v_blocks)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a full (unevicted) cache of ``num_tokens`` needs: K and V tables."""
         return 2 * -(-num_tokens // self.spec.block_size)
 
     def blocks_needed(self, seq: SeqKV, num_new: int) -> int:
-        """Extra blocks needed to append ``num_new`` tokens to every (layer, head)."""
+        """Extra blocks needed to append ``num_new`` tokens."""
         per_table = -(-(seq.num_slots + num_new) // self.spec.block_size)
         return max(0, per_table - len(seq.k_blocks)) + max(0, per_table - len(seq.v_blocks))
 
+    # ---- tables ----------------------------------------------------------------------------
     def reserve(self, seq: SeqKV, num_new: int) -> None:
         """Allocate the blocks for ``num_new`` more slots (raises NoFreeBlocks, allocating nothing)."""
         per_table = -(-(seq.num_slots + num_new) // self.spec.block_size)
         need_k, need_v = max(0, per_table - len(seq.k_blocks)), max(0, per_table - len(seq.v_blocks))
-        blocks = self.pool.allocate(need_k + need_v)
+        blocks = self._allocate(need_k + need_v)
         seq.k_blocks.extend(blocks[:need_k])
         seq.v_blocks.extend(blocks[need_k:])
 
     def free(self, seq: SeqKV) -> None:
-        """Return every block of the sequence to the pool (K table first, then V) and reset it."""
-        self._clear_positions(seq.k_blocks)
+        """Drop the sequence's references (K table first, then V) and reset it. Its blocks the prefix
+        index holds stay cached and become evictable, the chain's tail first."""
+        private = [b for b in seq.k_blocks if self.pool.ref_count(b) == 1]
+        self._clear_positions(private)
         self.pool.free(seq.k_blocks)
-        self.pool.free(seq.v_blocks)
-        seq.k_blocks, seq.v_blocks, seq.num_slots, seq.head_slots = [], [], 0, None
+        self.pool.free([b for b in seq.v_blocks if b != self.null_block])
+        for i in reversed(range(len(seq.block_keys))):
+            entry = self.prefix.get(seq.block_keys[i]) if self.prefix is not None else None
+            mine = entry is not None and entry.k_block == seq.k_blocks[i]
+            if mine and self.pool.ref_count(entry.k_block) == 1:
+                self.eviction.release(entry.key)
+        seq.k_blocks, seq.v_blocks, seq.num_slots, seq.block_keys = [], [], 0, []
+
+    def _allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the free list, evicting cached blocks (LRU-K order) when it runs short."""
+        if n > self.num_free:
+            raise NoFreeBlocks(f"need {n} blocks, {self.num_free} free or evictable of {self.num_blocks}")
+        while self.pool.num_free < n:
+            self._evict_one()
+        return self.pool.allocate(n)
+
+    def _evict_one(self) -> None:
+        key = self.eviction.victim()
+        if key is None or self.prefix is None:
+            raise NoFreeBlocks("no evictable cached block")
+        entry = self.prefix.remove(key)
+        if self.sink is not None:  # the disk tier decides whether the block deserves the disk
+            self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(key)))
+        self._clear_positions([entry.k_block])
+        self.pool.free([entry.k_block, entry.v_block])
+        self.eviction.forget(key)
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def match(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
+        """The cached blocks covering the longest prefix of ``tokens``. Nothing is shared yet; blocks
+        the disk tier holds beyond the in-memory hit are read back as evictable entries first."""
+        if self.prefix is None or max_blocks <= 0:
+            return []
+        found = self.prefix.match(tokens, self.spec.block_size, max_blocks)
+        more = min(max_blocks, len(tokens) // self.spec.block_size) > len(found)
+        if self.sink is not None and more:
+            if self.sink.load_chain(self, tokens, found, max_blocks):
+                found = self.prefix.match(tokens, self.spec.block_size, max_blocks)
+        return found
+
+    def evictable_among(self, entries: list[CachedBlock]) -> int:
+        """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
+        return 2 * sum(1 for e in entries if e.key in self.eviction)
+
+    def attach(self, seq: SeqKV, entries: list[CachedBlock], queried_tokens: int) -> int:
+        """Share ``entries`` as the start of an empty sequence; returns the tokens they cover."""
+        if seq.num_slots or seq.k_blocks:
+            raise ValueError("a prefix attaches to an empty sequence only")
+        self._clock += 1
+        for e in entries:
+            self.pool.incref([e.k_block, e.v_block])
+            self.eviction.acquire(e.key)
+            self.eviction.touch(e.key, self._clock)
+        seq.k_blocks = [e.k_block for e in entries]
+        seq.v_blocks = [e.v_block for e in entries]
+        seq.block_keys = [e.key for e in entries]
+        seq.num_slots = len(entries) * self.spec.block_size
+        if queried_tokens:
+            self.hits.record(queried_tokens, seq.num_slots)
+        return seq.num_slots
+
+    def register(self, seq: SeqKV, tokens: list[int]) -> int:
+        """Register the sequence's full blocks not yet keyed (``tokens``: the tokens of its slots, which
+        hold them unchanged). A block whose key another request registered first stays private."""
+        if self.prefix is None:
+            return 0
+        bs, added = self.spec.block_size, 0
+        for b in range(len(seq.block_keys), min(seq.num_slots, len(tokens)) // bs):
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            block_tokens = tuple(tokens[b * bs:(b + 1) * bs])
+            key = block_key(parent, self.prefix.salt, block_tokens)
+            seq.block_keys.append(key)
+            if key in self.prefix or seq.v_blocks[b] == self.null_block:
+                continue
+            self.prefix.insert(CachedBlock(key, parent, block_tokens, seq.k_blocks[b], seq.v_blocks[b]))
+            self.pool.incref([seq.k_blocks[b], seq.v_blocks[b]])
+            self.eviction.touch(key, self._clock)
+            added += 1
+        return added
+
+    def entry_payload(self, entry: CachedBlock) -> bytes:
+        """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
+        pair = torch.stack([self.kv[:, entry.k_block], self.kv[:, entry.v_block]])
+        return pair.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    def load_entry(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], payload: bytes) -> bool:
+        """Insert a block pair read back from the disk tier as an evictable cached entry; False when
+        the payload does not fit this cache's layout or no block is free (nothing changes then)."""
+        if self.prefix is None or key in self.prefix:
+            return False
+        shape = (2, self.spec.num_layers, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        elem = torch.empty((), dtype=self.spec.dtype).element_size()
+        if len(payload) != elem * int(torch.tensor(shape).prod()) or not self.can_allocate(2):
+            return False
+        pair = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.spec.dtype).view(shape)
+        k_block, v_block = self._allocate(2)
+        self.kv[:, k_block] = pair[0].to(self.kv.device)
+        self.kv[:, v_block] = pair[1].to(self.kv.device)
+        self.prefix.insert(CachedBlock(key, parent, tokens, k_block, v_block))
+        self.eviction.touch(key, self._clock)
+        self.eviction.release(key)  # the index's reference only: evictable until someone hits it
+        return True
+
+    def set_eviction_k(self, k: int) -> None:
+        """Live LRU-K change: cached blocks and their history stay."""
+        self.eviction.set_k(k)
 
     def _clear_positions(self, blocks: list[int]) -> None:
         if blocks:
@@ -198,11 +330,23 @@ class KVCache:
         table = torch.tensor(blocks, dtype=torch.long, device=slots.device)
         return table[slots // bs] * bs + slots % bs
 
+    def plan_writes(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> WritePlan:
+        """Flat K and V slots of a step's new tokens (reserved already), and record their positions."""
+        bs, dev = self.spec.block_size, self.kv.device
+        k_idx: list[int] = []
+        v_idx: list[int] = []
+        for s, n in zip(seqs, num_new, strict=True):
+            for slot in range(s.num_slots, s.num_slots + n):
+                k_idx.append(s.k_blocks[slot // bs] * bs + slot % bs)
+                v_idx.append(s.v_blocks[slot // bs] * bs + slot % bs)
+        plan = WritePlan(torch.tensor(k_idx, dtype=torch.long, device=dev),
+                         torch.tensor(v_idx, dtype=torch.long, device=dev))
+        self.pos[:, plan.k_index, :] = positions.to(dev, torch.int32)[None, :, None]
+        return plan
+
     def commit(self, seq: SeqKV, num_new: int) -> None:
-        """Record that ``num_new`` tokens were appended to every (layer, head) of the sequence."""
+        """Record that ``num_new`` tokens were appended (after the forward pass succeeded)."""
         seq.num_slots += num_new
-        if seq.head_slots is not None:
-            seq.head_slots += num_new
 
     def slot_positions(self, seq: SeqKV) -> Tensor:
         """Absolute positions in the sequence's K slots: [L, Hkv, num_slots] int32 (-1 = empty)."""
@@ -210,43 +354,53 @@ class KVCache:
         idx = self.slot_index(seq.k_blocks, slots)
         return self.pos[:, idx, :].permute(0, 2, 1)
 
-    def compact(self, seq: SeqKV, keep: Tensor) -> int:
-        """Keep only the slots where ``keep[L, Hkv, num_slots]`` is True; returns blocks freed.
+    def read_values(self, seq: SeqKV) -> Tensor:
+        """The sequence's values as [L, Hkv, num_slots, D] fp32 on the CPU (for retention's merge)."""
+        idx = self.slot_index(seq.v_blocks, torch.arange(seq.num_slots, device=self.kv.device))
+        return self.kv_flat[:, idx].permute(0, 2, 1, 3).float().cpu()
 
-        Kept slots of each (layer, head) move forward in order, together with their V and position;
-        the tail blocks no (layer, head) uses any more go back to the pool now.
-        """
-        spec = self.spec
-        n = seq.num_slots
-        if keep.shape != (spec.num_layers, spec.num_kv_heads, n):
-            raise ValueError(f"keep mask {tuple(keep.shape)} != {(spec.num_layers, spec.num_kv_heads, n)}")
-        dev = self.kv.device
-        keep = keep.to(dev)
-        if seq.head_slots is not None:  # slots past a head's own count are already empty
-            keep = keep & (torch.arange(n, device=dev) < seq.head_slots.to(dev)[..., None])
-        counts = keep.sum(-1)  # [L, Hkv]
-        # Stable sort puts each head's kept slots first, in their original order.
-        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices  # [L, Hkv, n]
+    def rewrite(self, seq: SeqKV, order: Tensor, n_key: int, base: int = 0) -> int:
+        """Keep, per (layer, KV head), the slots ``order[L, Hkv, n_new]`` lists, in that order. The
+        first ``base`` slots (a shared prefix, whole blocks) must be listed in place and are left
+        untouched; slots ``[base, base + n_key)`` keep only their keys (V-table entries wholly inside
+        become the null block). Tail blocks go back to the pool now; returns blocks freed (net)."""
+        spec, dev, bs = self.spec, self.kv.device, self.spec.block_size
+        n_new = order.shape[-1]
+        if base % bs or any(self.pool.ref_count(b) > 1 for b in seq.k_blocks[base // bs:]):
+            raise ValueError("retention may rewrite only a sequence's private blocks after its prefix")
+        src = order[..., base:].to(dev)
         layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
         head = torch.arange(spec.num_kv_heads, device=dev)[None, :, None]
-        dst_slots = torch.arange(n, device=dev).expand_as(order)
-        for blocks in (seq.k_blocks, seq.v_blocks):
-            src, dst = self.slot_index(blocks, order), self.slot_index(blocks, dst_slots)
-            self.kv_flat[layer, dst, head] = self.kv_flat[layer, src, head]
-        k_src, k_dst = self.slot_index(seq.k_blocks, order), self.slot_index(seq.k_blocks, dst_slots)
-        moved = self.pos[layer, k_src, head]
-        self.pos[layer, k_dst, head] = torch.where(dst_slots < counts[..., None], moved, -1)
-        return self._shrink(seq, counts)
+        k_src = self.slot_index(seq.k_blocks, src)
+        keys, pos = self.kv_flat[layer, k_src, head], self.pos[layer, k_src, head]
+        vals = self.kv_flat[layer, self.slot_index(seq.v_blocks, src[..., n_key:]), head]
+        held_before = self.held_blocks(seq)
 
-    def _shrink(self, seq: SeqKV, counts: Tensor) -> int:
-        new_max = int(counts.max()) if counts.numel() else 0
-        uniform = bool((counts == new_max).all())
-        seq.num_slots = new_max
-        seq.head_slots = None if uniform else counts.to("cpu", torch.long)
-        keep_blocks = -(-new_max // self.spec.block_size)
-        freed = seq.k_blocks[keep_blocks:] + seq.v_blocks[keep_blocks:]
-        self._clear_positions(seq.k_blocks[keep_blocks:])
-        self.pool.free(freed)
-        del seq.k_blocks[keep_blocks:]
-        del seq.v_blocks[keep_blocks:]
-        return len(freed)
+        nb = -(-n_new // bs)
+        tail_k, tail_v = seq.k_blocks[nb:], seq.v_blocks[nb:]
+        del seq.k_blocks[nb:], seq.v_blocks[nb:]
+        self._clear_positions(tail_k)
+        self.pool.free(tail_k + [b for b in tail_v if b != self.null_block])
+        self._set_null_entries(seq, base // bs, (base + n_key) // bs)
+
+        dst = torch.arange(base, n_new, device=dev).expand_as(src)
+        k_dst = self.slot_index(seq.k_blocks, dst)
+        self.kv_flat[layer, k_dst, head] = keys
+        self.kv_flat[layer, self.slot_index(seq.v_blocks, dst[..., n_key:]), head] = vals
+        self.pos[layer, k_dst, head] = pos
+        if n_new < nb * bs:  # the rest of the last block is empty now
+            rest = self.slot_index(seq.k_blocks, torch.arange(n_new, nb * bs, device=dev))
+            self.pos[:, rest, :] = -1
+        seq.num_slots = n_new
+        return held_before - self.held_blocks(seq)
+
+    def _set_null_entries(self, seq: SeqKV, start: int, hole: int) -> None:
+        """V-table entries in ``[start, hole)`` become the null block; those after it real blocks."""
+        for i in range(start, len(seq.v_blocks)):
+            block = seq.v_blocks[i]
+            is_null = block == self.null_block
+            if i < hole and not is_null:
+                self.pool.free([block])
+                seq.v_blocks[i] = self.null_block
+            elif i >= hole and is_null:
+                seq.v_blocks[i] = self._allocate(1)[0]

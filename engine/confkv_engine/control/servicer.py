@@ -9,14 +9,16 @@ What the engine can do today, and therefore what the RPCs do:
 
 - GetStatus / WatchStatus: the engine's stats snapshot, latency counters from the HTTP layer's
   histogram, device memory, the live policy and the engine's capabilities.
-- UpdatePolicy: through ``policy.PolicyStore``; ``engine.maxBatchSize`` takes effect at the next
-  scheduler step (running sequences finish, admission waits). Other fields are validated, versioned
-  and stored, and reported as deferred (the engine reads them at start only).
+- UpdatePolicy: through ``policy.PolicyStore``; the fields the engine lists as live
+  (``EngineControlTarget.live_fields``: ``engine.maxBatchSize`` and the retention defaults) take
+  effect between two scheduler steps; other fields are validated, versioned and stored, and
+  reported as deferred (the engine reads them at start only).
 - Compress, RebuildIndex, Warmup: FAILED_PRECONDITION naming the missing capability (no quantized
   block compression, no cache-directory log, no prefix cache yet). Nothing pretends.
 
-Server integration (``server.py``): ``ControlPlane(config)``, ``start()`` at start-up, ``attach(...)``
-once the engine runs, ``stop()`` at shutdown.
+Server integration (``confkv_engine.server``): ``ControlPlane(config)``, ``start()`` at start-up,
+``attach(target, ...)`` once the engine runs, ``stop()`` at shutdown. The servicer reaches the engine
+only through ``core.control_api.EngineControlTarget`` and its typed ``EngineStats`` snapshot.
 """
 
 from __future__ import annotations
@@ -24,23 +26,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from confkv_api import metrics as names
 from confkv_api.config import ConfKVConfig
+from confkv_api.histograms import histogram_message
 from confkv_api.v1 import control_pb2 as pb
 from confkv_api.v1 import control_pb2_grpc as pb_grpc
+from confkv_engine.cache.memory import device_memory
+from confkv_engine.control import unix_socket
 from confkv_engine.control.policy import (
-    BATCH_FIELD,
     PolicyConflict,
     PolicyError,
     PolicyInvalid,
@@ -48,11 +50,10 @@ from confkv_engine.control.policy import (
     PolicySnapshot,
     PolicyStore,
 )
+from confkv_engine.core.control_api import EngineControlTarget, EngineStats, PolicyRejected
 
 log = logging.getLogger("confkv.control")
 
-# Longest path a sockaddr_un holds on Linux (108 bytes with the terminating NUL).
-MAX_SOCKET_PATH = 107
 MISSING = {
     "compress": "this engine has no KV block compression yet (capability 'compress' is missing): cold blocks "
                 "are never quantized, so there is nothing to compress; nothing was changed",
@@ -69,88 +70,36 @@ class ControlPlaneError(RuntimeError):
 
 def socket_path(address: str) -> str:
     """``/run/x.sock`` or ``unix:///run/x.sock`` -> ``/run/x.sock``; anything network-like is refused."""
-    path = address.removeprefix("unix://")
-    if not path.startswith("/"):
-        raise ControlPlaneError(f"engine.grpcSocket must be an absolute Unix socket path (the control plane "
-                                f"never listens on the network), got {address!r}")
-    if len(path.encode()) > MAX_SOCKET_PATH:
-        raise ControlPlaneError(f"engine.grpcSocket {path!r} is longer than {MAX_SOCKET_PATH} bytes")
-    return path
-
-
-def _socket_is_live(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(1.0)
-        try:
-            sock.connect(path)
-        except OSError:
-            return False
-    return True
-
-
-def _field(stats: Any, name: str, default: float = 0) -> Any:
-    value = stats.get(name, default) if isinstance(stats, dict) else getattr(stats, name, default)
-    return default if value is None else value
-
-
-def _has_field(stats: Any, name: str) -> bool:
-    return name in stats if isinstance(stats, dict) else hasattr(stats, name)
-
-
-#: Fields a retention manager reads when a sequence (re)starts: live when the engine has one.
-RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.sinks", "confkv.window",
-                    "confkv.budget", "confkv.budgetTokens", "confkv.budgetMode")
-
-
-def _retention_manager(engine: Any) -> Any | None:
-    """The engine's RetentionManager, found by type (whatever the attribute is called), if any."""
-    from confkv_engine.retention.manager import RetentionManager
-
-    return next((v for v in vars(engine).values() if isinstance(v, RetentionManager)), None)
+    try:
+        return unix_socket.socket_path(address)
+    except unix_socket.ControlSocketError as err:
+        raise ControlPlaneError(str(err)) from None
 
 
 @dataclass
 class EngineBinding:
-    """What the control plane needs from the running engine."""
+    """What the control plane holds of the running engine: its typed control protocol, the stats
+    snapshot (``AsyncEngine.stats``: never blocks on the engine thread), the latency histogram."""
 
-    engine: Any  # LLMEngine: ``scheduler`` (live batch size) and its lock
-    stats: Callable[[], Any]  # the stats snapshot (AsyncEngine.stats: never blocks on the engine thread)
+    target: EngineControlTarget
+    stats: Callable[[], EngineStats]
     registry: Any | None  # prometheus CollectorRegistry holding the request-latency histogram
     device: str
     model_name: str
 
-    def live_fields(self) -> list[str]:
-        return [BATCH_FIELD, *(RETENTION_FIELDS if _retention_manager(self.engine) is not None else ())]
-
     def capabilities(self) -> list[str]:
-        caps = [f"live:{field}" for field in self.live_fields()]
-        if _has_field(self.stats(), "prefix_queried_tokens"):
+        caps = [f"live:{field}" for field in self.target.live_fields()]
+        caps.extend(self.target.capabilities())
+        if self.stats().prefix_cache_enabled:
             caps.append("prefix-stats")
         return caps
 
     def apply_policy(self, snapshot: PolicySnapshot, live: list[str]) -> None:
-        """The one place a policy reaches the engine; called by the PolicyStore under its lock.
-        Everything is computed and checked first, then set between two engine steps (all or nothing).
-        Retention settings apply to sequences that start (or restart) from now on."""
-        manager = _retention_manager(self.engine)
-        retention = None
-        if manager is not None and any(p.startswith(RETENTION_FIELDS) for p in live):
-            from confkv_engine.retention.manager import config_from_section
-
-            try:
-                retention = config_from_section(snapshot.confkv, manager.defaults.scorer)
-            except ValueError as err:
-                raise PolicyInvalid(f"invalid policy: {err}") from None
-            chunk = self.engine.scheduler.prefill_chunk
-            if retention.policy != "full" and retention.tiers.window < chunk:
-                raise PolicyInvalid(f"invalid policy: confkv.window ({retention.tiers.window}) must hold a "
-                                    f"prefill chunk ({chunk}) when kvPolicy is {retention.policy!r}")
-        lock = getattr(self.engine, "_lock", None) or threading.Lock()
-        with lock:  # the engine steps under this lock: the change lands between two steps
-            if BATCH_FIELD in live:
-                self.engine.scheduler.max_batch_size = snapshot.max_batch_size
-            if retention is not None:
-                manager.defaults = retention
+        """The one place a policy reaches the engine; called by the PolicyStore under its lock."""
+        try:
+            self.target.apply_policy(snapshot.confkv, snapshot.max_batch_size, live)
+        except PolicyRejected as err:
+            raise PolicyInvalid(str(err)) from None
 
     def latency(self) -> tuple[int, float]:
         if self.registry is None:
@@ -171,34 +120,35 @@ class ControlPlane:
         self._stopping = threading.Event()
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self) -> bool:
-        """Serve the socket; False (logged) when it cannot, so the HTTP server keeps serving."""
+    def start(self) -> None:
+        """Serve the socket (a no-op when already serving); ControlPlaneError when it cannot be served
+        safely: the caller exits rather than run an engine its agent cannot reach (or reaches through
+        a socket somebody else made)."""
+        if self._server is not None:
+            return
         try:
-            path = socket_path(self.address)
-            Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if os.path.exists(path):
-                if _socket_is_live(path):
-                    raise ControlPlaneError(f"another process is serving the control socket {path}")
-                os.unlink(path)  # left behind by an engine that died
+            path = unix_socket.prepare(self.address)
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="confkv-grpc"),
                                  maximum_concurrent_rpcs=32)
             pb_grpc.add_EngineControlServicer_to_server(ControlServicer(self), server)
-            if not server.add_insecure_port(f"unix://{path}"):
-                raise ControlPlaneError(f"could not bind unix://{path}")
-            server.start()
+            with unix_socket.owner_only_umask():
+                bound = server.add_insecure_port(f"unix://{path}")
+            if not bound:
+                raise unix_socket.ControlSocketError(f"could not bind unix://{path}")
             os.chmod(path, 0o600)
-        except (ControlPlaneError, OSError, RuntimeError) as err:
-            log.error("gRPC control plane not started: %s", err)
-            return False
+            server.start()
+        except unix_socket.ControlSocketError as err:
+            raise ControlPlaneError(str(err)) from None
+        except (OSError, RuntimeError) as err:
+            raise ControlPlaneError(f"the gRPC control plane cannot start on {self.address}: {err}") from None
         self._server, self._path = server, path
         log.info("gRPC control plane (confkv.v1.EngineControl) on unix://%s", path)
-        return True
 
-    def attach(self, engine: Any, stats: Callable[[], Any], registry: Any | None, device: str,
-               model_name: str) -> None:
-        binding = EngineBinding(engine, stats, registry, device, model_name)
-        self.store = PolicyStore(self.config.confkv, int(engine.scheduler.max_batch_size),
-                                 live_fields=binding.live_fields(), apply=binding.apply_policy)
+    def attach(self, target: EngineControlTarget, stats: Callable[[], EngineStats], registry: Any | None,
+               device: str, model_name: str) -> None:
+        binding = EngineBinding(target, stats, registry, device, model_name)
+        self.store = PolicyStore(self.config.confkv, target.max_batch_size,
+                                 live_fields=target.live_fields(), apply=binding.apply_policy)
         self._binding = binding
 
     def stop(self, grace: float = 1.0) -> None:
@@ -226,32 +176,26 @@ class ControlPlane:
         binding, store = bound
         s = binding.stats()
         count, total = binding.latency()
-        from confkv_engine.http.metrics import (
-            device_memory,  # psutil/torch: imported only when a status is asked
-        )
-
         label, used, capacity = device_memory(binding.device)
         policy = store.current
-        caps = binding.capabilities()
         return pb.EngineStatus(
             model=binding.model_name, timestamp=time.time(),
-            num_running=int(_field(s, "num_running")), num_waiting=int(_field(s, "num_waiting")),
-            kv_blocks_total=int(_field(s, "num_total_blocks")),
-            kv_blocks_free=int(_field(s, "num_free_blocks")),
-            block_size=int(_field(s, "block_size")), kv_bytes_used=int(_field(s, "kv_bytes_used")),
-            kv_bytes_total=int(_field(s, "kv_bytes_total")),
-            kv_bytes_key_only=int(_field(s, "kv_bytes_key_only")),
-            preemptions_total=int(_field(s, "num_preemptions")), oom_total=int(_field(s, "num_oom")),
-            prompt_tokens_total=int(_field(s, "prompt_tokens_total")),
-            generated_tokens_total=int(_field(s, "generated_tokens_total")),
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_blocks_total=s.num_total_blocks, kv_blocks_free=s.num_free_blocks,
+            block_size=s.block_size, kv_bytes_used=s.kv_bytes_used, kv_bytes_total=s.kv_bytes_total,
+            kv_bytes_key_only=s.kv_bytes_key_only,
+            preemptions_total=s.num_preemptions, oom_total=s.num_oom,
+            prompt_tokens_total=s.prompt_tokens_total, generated_tokens_total=s.generated_tokens_total,
             latency_count=count, latency_seconds_sum=total,
             avg_latency_seconds=total / count if count else 0.0,
-            prefix_cache_enabled="prefix-stats" in caps,
-            prefix_queried_tokens=int(_field(s, "prefix_queried_tokens")),
-            prefix_hit_tokens=int(_field(s, "prefix_hit_tokens")),
+            prefix_cache_enabled=s.prefix_cache_enabled,
+            prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             device_memory=pb.DeviceMemory(device=label, used_bytes=int(used), total_bytes=int(capacity)),
             policy_version=policy.version, policy_json=policy.to_json(),
-            startup_policy_json=store.startup.to_json(), capabilities=caps)
+            startup_policy_json=store.startup.to_json(), capabilities=binding.capabilities(),
+            time_to_first_token=histogram_message(binding.registry, names.TIME_TO_FIRST_TOKEN_SECONDS),
+            time_per_output_token=histogram_message(binding.registry, names.TIME_PER_OUTPUT_TOKEN_SECONDS),
+            request_latency=histogram_message(binding.registry, names.REQUEST_LATENCY_SECONDS))
 
 
 _POLICY_CODES = {PolicyInvalid: grpc.StatusCode.INVALID_ARGUMENT,

@@ -16,15 +16,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from confkv_engine.core.control_api import EngineStats
 from confkv_engine.core.engine import QueueFull
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineUnavailable", "QueueFull", "configure_torch_threads", "stat"]
+__all__ = ["AsyncEngine", "EngineUnavailable", "QueueFull", "configure_torch_threads"]
 
 
 class EngineUnavailable(Exception):
@@ -36,7 +37,7 @@ class EngineLike(Protocol):
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
 
 
 def configure_torch_threads(threads: int | None) -> int:
@@ -50,15 +51,6 @@ def configure_torch_threads(threads: int | None) -> int:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
     return threads
-
-
-def stat(stats: Any, name: str, default: float = 0) -> float:
-    """Read one field of ``LLMEngine.stats()`` whether it is a dataclass or a dict."""
-    if isinstance(stats, dict):
-        value = stats.get(name, default)
-    else:
-        value = getattr(stats, name, default)
-    return default if value is None else value
 
 
 @dataclass
@@ -90,7 +82,7 @@ class AsyncEngine:
         self._draining = False
         self._stopped = False
         self._thread_error: BaseException | None = None
-        self._stats: Any = engine.stats()
+        self._stats: EngineStats = engine.stats()
         self._in_engine: set[str] = set()  # engine thread only: ids the engine holds
         self._thread = threading.Thread(target=self._run, name="confkv-engine", daemon=True)
 
@@ -125,7 +117,7 @@ class AsyncEngine:
             self._fail_all(EngineUnavailable("the server shut down before the request finished"))
 
     # ---- snapshot for metrics and admission ------------------------------------------------
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         """The engine's stats after the last step (read without touching the engine)."""
         return self._stats
 

@@ -1,9 +1,10 @@
 """Synchronous engine: requests in, one batched model step per ``step()``, outputs out.
 
-``LLMEngine(loaded, config)``: ``loaded`` is a ``loader.LoadedModel`` (model, tokenizer,
+``LLMEngine(loaded, config)``: ``loaded`` is a ``model.loader.LoadedModel`` (model, tokenizer,
 max_model_len, eos_token_ids, ...) or anything with those attributes; ``config`` a
 ``ConfKVConfig`` (engine and confkv sections are read). Not thread-safe by itself beyond a lock
-around public calls: the HTTP layer drives it from one thread (``async_engine.AsyncEngine``).
+around public calls: the HTTP layer drives it from one thread (``async_engine.AsyncEngine``). It
+is also the control plane's ``EngineControlTarget`` (live batch size and retention defaults).
 
 Per step: the scheduler picks sequences and chunk sizes; the step's tokens are flattened (decode
 rows first) and run once through the model with ``PagedAttention``; logits are computed only for
@@ -21,15 +22,22 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from confkv_api.config import ConfKVConfig, parse_size
+from confkv_api.config import ConfKVConfig, ConfKVSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
-from confkv_engine.cache.kv_cache import CacheSpec, FullCache, KVCache, RetentionPolicy, resolve_cache_bytes
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, resolve_cache_bytes
+from confkv_engine.cache.offload import DiskTier
 from confkv_engine.core import sampling
+from confkv_engine.core.control_api import (
+    BATCH_FIELD,
+    EVICTION_FIELD,
+    RETENTION_FIELDS,
+    EngineStats,
+    PolicyRejected,
+)
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
@@ -44,24 +52,6 @@ class QueueFull(RuntimeError):
     """The waiting queue is at ``maxWaiting`` (the HTTP layer answers 429)."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_total_blocks: int
-    num_free_blocks: int
-    block_size: int
-    kv_bytes_used: int
-    kv_bytes_total: int
-    kv_bytes_full: int
-    kv_bytes_key_only: int
-    num_preemptions: int
-    num_oom: int
-    prompt_tokens_total: int
-    generated_tokens_total: int
-    num_requests_finished: int
-
-
 class _NullTokenizer:
     """For models loaded without a tokenizer (tests): tokens have no text."""
 
@@ -71,7 +61,7 @@ class _NullTokenizer:
 
 class LLMEngine:
     def __init__(self, loaded: Any, config: ConfKVConfig | None = None,
-                 policy: RetentionPolicy | None = None, retention: RetentionConfig | None = None) -> None:
+                 retention: RetentionConfig | None = None) -> None:
         config = config or ConfKVConfig()
         eng = config.engine
         self.model = loaded.model
@@ -87,18 +77,25 @@ class LLMEngine:
         spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size,
                          self.dtype, self.device)
         size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
-        self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device))
+        ev = config.confkv.eviction
+        # The salt names what changes the stored K/V besides the tokens (dtype is added by the cache).
+        salt = f"{getattr(loaded, 'name', '')}|{args}".encode()
+        salt = salt if config.confkv.prefix_cache.enabled else None
+        self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device), prefix_salt=salt,
+                                         eviction_k=ev.k if ev.policy == "LRU-K" else 1)
+        # The disk tier (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
+        self.disk: DiskTier | None = None
+        if eng.cache_dir and salt is not None:
+            self.disk = DiskTier(eng.cache_dir)
+            self.cache.sink = self.disk
         # Token-level retention (conf-kv and its peers); ``retention`` overrides the confkv section.
         self.retention = RetentionManager(self.cache, args.num_heads,
                                           retention or config_from_section(config.confkv), eng.prefill_chunk)
         self.backend = RetentionAttention(self.cache, args.num_heads)
-        self.scheduler = Scheduler(self.cache, eng.max_batch_size, eng.max_num_batched_tokens,
-                                   eng.prefill_chunk)
-        # Chunks of retained sequences never cross a decision point, so replays are exact.
-        self.scheduler.align_for = self.retention.align_for
-        # Admission reserves a binding budget, not the full length.
-        self.scheduler.headroom_for = self.retention.headroom
-        self.policy: RetentionPolicy = policy or FullCache()
+        # Admission reserves a binding budget, not the full length, and chunks of retained sequences
+        # never cross a decision point, so replays are exact.
+        self.scheduler = Scheduler(self.cache, self.retention, eng.max_batch_size,
+                                   eng.max_num_batched_tokens, eng.prefill_chunk)
         self.max_waiting = eng.max_waiting
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
@@ -111,18 +108,20 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._validate(request_id, prompt_token_ids, params)
+        cfg = self._validate(request_id, prompt_token_ids, params)
         seq = Sequence(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
             tracker=sampling.OutputTracker(self.tokenizer, params, self.eos_token_ids, prompt_token_ids),
-            generator=sampling.make_generator(params.seed, self.device), arrival_time=time.time())
+            generator=sampling.make_generator(params.seed, self.device), arrival_time=time.time(),
+            retention=None if cfg.policy == "full" else cfg)
         with self._lock:
             if len(self.scheduler.waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting")
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> RetentionConfig:
+        """Check a request; returns the retention config it keeps for its whole life."""
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if not prompt:
@@ -151,6 +150,7 @@ class LLMEngine:
                 f"prompt plus max_tokens ({total}) needs {needed} blocks under its kv policy and "
                 f"can never fit (raise maxCacheSize or lower kv_budget)",
                 param="max_tokens", code="kv_cache_too_small")
+        return cfg
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final output comes with the next step."""
@@ -242,6 +242,8 @@ class LLMEngine:
     def _advance(self, seq: Sequence, n: int, result: tuple[int, Any] | None) -> None:
         was_prefill = seq.num_computed < seq.prompt_len
         seq.num_computed += n
+        if seq.retention is None:
+            self._register(seq)
         seq.peak_kv_bytes = max(seq.peak_kv_bytes, self.retention.held_bytes(seq.kv, seq.policy_state))
         if was_prefill and seq.num_computed >= seq.prompt_len and not seq.prompt_counted:
             seq.prompt_counted = True
@@ -268,7 +270,6 @@ class LLMEngine:
             self.retention.observe_logits(seq.policy_state, logits, start + 1,
                                           seq.token_slice(start + 1, seq.num_computed + 1))
         self.retention.after_step(seq.kv, seq.policy_state, seq.num_computed)
-        self.policy.after_step(seq.kv, self.cache, seq.num_computed)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.tracker.finish_reason is None:
@@ -278,9 +279,17 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_time = time.time()
         seq.final_slots = seq.kv.num_slots
+        if seq.policy_state is not None and seq.policy_state.may_register_hash():
+            self._register(seq)  # a retained request whose tiers never changed: its blocks are exact
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
         self.num_finished += 1
+
+    def _register(self, seq: Sequence) -> None:
+        """Offer the sequence's newly filled blocks to the prefix cache (its slots hold positions
+        0..num_slots-1 unchanged)."""
+        if seq.kv.num_slots // self.cache.spec.block_size > len(seq.kv.block_keys):
+            self.cache.register(seq.kv, seq.token_slice(0, seq.kv.num_slots))
 
     def _recover_from_oom(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """Drop the step's caches and recompute later; fail a sequence after repeated OOMs."""
@@ -313,6 +322,11 @@ class LLMEngine:
             finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
             kv_usage=self.retention.usage(seq))
 
+    # ---- control (``core.control_api.EngineControlTarget``) ---------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self.scheduler.max_batch_size
+
     def set_max_batch_size(self, n: int) -> None:
         """Live change (remediation): applies from the next step; running sequences over the new
         limit finish normally, nothing new is admitted until the batch is below it."""
@@ -320,6 +334,52 @@ class LLMEngine:
             raise InvalidRequest(f"max batch size must be >= 1, got {n}", param="maxBatchSize")
         with self._lock:
             self.scheduler.max_batch_size = n
+
+    def live_fields(self) -> list[str]:
+        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD]
+
+    def capabilities(self) -> list[str]:
+        caps = ["prefix-cache", "warmup"] if self.cache.prefix is not None else []
+        return caps + (["rebuild-index"] if self.disk is not None else [])
+
+    def rebuild_index(self) -> str:
+        """Rebuild the disk tier's index from its record files (torn or corrupt ones are skipped)."""
+        if self.disk is None:
+            raise PolicyRejected("this engine has no cache directory (engine.cacheDir): nothing to rebuild")
+        report = self.disk.rebuild()
+        return (f"rebuilt the disk index: {report.records} records ({report.bytes} bytes), "
+                f"{report.skipped} torn or corrupt skipped, {report.orphans} unfinished writes removed")
+
+    def hot_prefixes(self, n: int) -> list[list[int]]:
+        """Token ids of the most-hit prefixes the disk tier remembers (for a warm-up with no prompts)."""
+        return self.disk.hot_prefixes(n) if self.disk is not None else []
+
+    def close(self) -> None:
+        """Release what outlives requests (the disk tier's writer and index)."""
+        if self.disk is not None:
+            self.disk.flush()
+            self.disk.close()
+
+    def apply_policy(self, confkv: ConfKVSection, max_batch_size: int, changed: list[str]) -> None:
+        """Everything is computed and checked first, then set between two steps (all or nothing).
+        Retention settings apply to requests admitted from now on."""
+        retention = None
+        if any(p.startswith(RETENTION_FIELDS) for p in changed):
+            try:
+                retention = config_from_section(confkv, self.retention.defaults.scorer)
+                self.retention.check(retention)
+            except ValueError as err:
+                raise PolicyRejected(f"invalid policy: {err}") from None
+        if max_batch_size < 1:
+            raise PolicyRejected(f"invalid policy: maxBatchSize must be >= 1, got {max_batch_size}")
+        with self._lock:  # the engine steps under this lock: the change lands between two steps
+            if BATCH_FIELD in changed:
+                self.scheduler.max_batch_size = max_batch_size
+            if retention is not None:
+                self.retention.set_defaults(retention)
+            if any(p.startswith(EVICTION_FIELD) for p in changed):
+                ev = confkv.eviction
+                self.cache.set_eviction_k(ev.k if ev.policy == "LRU-K" else 1)
 
     # ---- conveniences ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]],
@@ -342,11 +402,23 @@ class LLMEngine:
             tiers = self.retention.tier_bytes([(s.kv, s.policy_state) for s in self.scheduler.running])
             return EngineStats(
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                num_total_blocks=self.cache.num_blocks, num_free_blocks=self.cache.pool.num_free,
+                num_total_blocks=self.cache.num_blocks, num_free_blocks=self.cache.num_free,
                 block_size=self.cache.spec.block_size, kv_bytes_used=used,
                 kv_bytes_total=self.cache.total_bytes, kv_bytes_full=used - tiers["key_only"],
                 kv_bytes_key_only=tiers["key_only"],
                 num_preemptions=self.scheduler.num_preemptions, num_oom=self.num_oom,
                 prompt_tokens_total=self.prompt_tokens_total,
                 generated_tokens_total=self.generated_tokens_total,
-                num_requests_finished=self.num_finished)
+                num_requests_finished=self.num_finished,
+                prefix_cache_enabled=self.cache.prefix is not None,
+                prefix_queried_tokens=self.cache.hits.queried, prefix_hit_tokens=self.cache.hits.hit,
+                prefix_hit_ratio_window=self.cache.hits.window_ratio(),
+                kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
+                eviction_k=self.cache.eviction.k, **self._disk_stats())
+
+    def _disk_stats(self) -> dict[str, int]:
+        if self.disk is None:
+            return {}
+        s = self.disk.refresh_stats()
+        return {"disk_records": s.records, "disk_bytes": s.bytes_used, "disk_spilled": s.spilled,
+                "disk_loaded": s.loaded, "rebuild_records_skipped": s.rebuild_skipped}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from confkv_engine.cache.usage import KVUsage
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -15,16 +17,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    """Per-request KV accounting reported in the response's ``usage``."""
-
-    peak_kv_bytes: int = 0
-    tokens_full: int = 0
-    tokens_key_only: int = 0
-    tokens_discarded: int = 0
 
 
 @dataclass

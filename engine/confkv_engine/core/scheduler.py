@@ -8,26 +8,42 @@ front of the waiting queue, restarted from position 0 later). Waiting sequences 
 FIFO order while there is room in the batch (``max_batch_size``), the budget and the pool; nothing
 is admitted in a step that preempted.
 
-Sequences with a binding retention budget (``headroom_for`` returns a count for them) are admitted
+Sequences with a binding retention budget (the admission policy's ``reserved_headroom`` returns a
+count for them) are admitted
 against their budget, not their full length: a waiting one is admitted only while the free blocks
 cover its whole reservation plus what running reserved sequences may still take, so those never
 preempt one another. Others keep the greedy rule (first chunk fits, preemption as the fallback),
 but never take blocks promised to reserved sequences: they grow only while the free blocks cover
 the promised ones too, and when room is short the victims are unreserved sequences first.
 
-Prefill chunks end at multiples of ``block_size`` (unless they finish the known tokens), so a
-replay after preemption runs the same chunk boundaries and a retention policy acting at
-block-aligned positions takes the same decisions.
+At admission a sequence shares the longest cached prefix of its tokens (whole blocks, by reference
+count) and starts computing after it; the shared blocks count against the pool only when taking
+them removes evictable blocks. Prefill chunks end at multiples of ``block_size`` (unless they
+finish the known tokens), so a replay after preemption runs the same chunk boundaries and a
+retention policy acting at block-aligned positions takes the same decisions.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from confkv_engine.cache.kv_cache import KVCache
+from confkv_engine.cache.prefix import CachedBlock
 from confkv_engine.core.sequence import SeqStatus, Sequence
+
+
+class AdmissionPolicy(Protocol):
+    """What the scheduler asks about a sequence beyond its length (retention's reservation)."""
+
+    def reserved_headroom(self, seq: Sequence) -> int | None:
+        """Blocks the sequence may still take from its reservation; None: not reserved (greedy)."""
+        ...
+
+    def chunk_alignment(self, seq: Sequence) -> int:
+        """Prefill chunks of the sequence end at multiples of this (unless they finish its tokens)."""
+        ...
 
 
 @dataclass
@@ -41,19 +57,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_batch_size: int, max_num_batched_tokens: int,
-                 prefill_chunk: int) -> None:
+    def __init__(self, cache: KVCache, admission: AdmissionPolicy, max_batch_size: int,
+                 max_num_batched_tokens: int, prefill_chunk: int) -> None:
         self.cache = cache
+        self.admission = admission
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
-        bs = cache.spec.block_size
-        # Align chunk ends to blocks only when a chunk can hold whole blocks.
-        self.align = bs if prefill_chunk >= bs else 1
-        # Per-sequence alignment (retention: chunks never cross a decision point); None: ``align``.
-        self.align_for: Callable[[Sequence], int] | None = None
-        # Blocks a sequence may still take from its reservation; None (or returning None): greedy.
-        self.headroom_for: Callable[[Sequence], int | None] | None = None
+        # Align chunk ends only when a chunk can hold whole blocks.
+        self.aligned = prefill_chunk >= cache.spec.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -63,9 +75,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def requeue_front(self, seq: Sequence) -> None:
-        """Free the sequence's cache and put it first in line (recompute from position 0)."""
+        """Free the sequence's cache and put it first in line (recompute from position 0; its
+        retention state goes too, so the replay decides everything again)."""
         self._release(seq)
         seq.num_computed = 0
+        seq.policy_state = None
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -83,13 +97,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def chunk_size(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_uncomputed
+    def chunk_size(self, seq: Sequence, budget: int, start: int | None = None) -> int:
+        """Tokens to run for ``seq`` this step, from ``start`` (default: what it has computed)."""
+        start = seq.num_computed if start is None else start
+        remaining = seq.num_tokens - start
         n = min(remaining, self.prefill_chunk, budget)
-        align = self.align_for(seq) if self.align_for is not None and self.align > 1 else self.align
+        align = self.admission.chunk_alignment(seq) if self.aligned else 1
         if 0 < n < remaining and align > 1:
-            end = seq.num_computed + n
-            n = end - end % align - seq.num_computed
+            end = start + n
+            n = end - end % align - start
         return max(n, 0)
 
     def schedule(self) -> SchedulerOutput:
@@ -119,10 +135,9 @@ class Scheduler:
         reservation must also leave the blocks promised to reserved ones, and the victims are the
         most recently admitted sequences without a reservation first, so reserved sequences are
         never preempted to make room for others."""
-        pool = self.cache.pool
         while True:
             hold_back = 0 if id(seq) in promised else sum(promised.values())
-            if pool.can_allocate(self.cache.blocks_needed(seq.kv, n) + hold_back):
+            if self.cache.can_allocate(self.cache.blocks_needed(seq.kv, n) + hold_back):
                 return True
             # Only sequences not yet scheduled this step (seq and those after it) can go.
             later = self.running[self.running.index(seq):]
@@ -136,20 +151,39 @@ class Scheduler:
             if victim is seq:
                 return False
 
+    def _prefix_hits(self, seq: Sequence) -> list[CachedBlock]:
+        """The cached blocks a waiting sequence may share. Never its last token (its logits are
+        needed), never for prompt logprobs (every prompt row is computed; documented in the README),
+        and a retained sequence's replay never shares more than it did at first admission (its
+        protected prefix, so its decisions replay exactly)."""
+        if self.cache.prefix is None or seq.wants_prompt_logprobs:
+            return []
+        limit = (seq.num_tokens - 1) // self.cache.spec.block_size
+        if seq.retention is not None and seq.admitted:
+            limit = min(limit, seq.prefix_len // self.cache.spec.block_size)
+        return self.cache.match(seq.token_slice(0, seq.num_tokens), limit)
+
     def _headroom(self, seq: Sequence) -> int | None:
-        return self.headroom_for(seq) if self.headroom_for is not None else None
+        return self.admission.reserved_headroom(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int, promised: int) -> int:
         """Admit waiting sequences; ``promised``: blocks running reservations may still take."""
-        pool = self.cache.pool
+        bs = self.cache.spec.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            n = self.chunk_size(seq, budget)
-            need = self.cache.blocks_needed(seq.kv, n)
+            hits = self._prefix_hits(seq)
+            start = len(hits) * bs
+            n = self.chunk_size(seq, budget, start)
+            need = 2 * (-(-(start + n) // bs) - len(hits))
             reserved = self._headroom(seq)
-            if n == 0 or not pool.can_allocate(promised + max(need, reserved or 0)):
+            taken = self.cache.evictable_among(hits)  # shared now, so no longer reclaimable
+            if n == 0 or not self.cache.can_allocate(promised + max(need, reserved or 0) + taken):
                 break
             self.waiting.popleft()
+            first = not seq.admitted
+            seq.num_computed = self.cache.attach(seq.kv, hits, seq.prompt_len if first else 0)
+            if first:
+                seq.admitted, seq.prefix_len = True, seq.num_computed
             self.cache.reserve(seq.kv, n)
             promised += max(0, (reserved or 0) - need)
             seq.status = SeqStatus.RUNNING

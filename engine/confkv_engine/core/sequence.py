@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -12,6 +11,8 @@ from confkv_engine.cache.kv_cache import SeqKV
 from confkv_engine.core.outputs import FinishReason, TokenLogprob
 from confkv_engine.core.sampling import OutputTracker
 from confkv_engine.core.sampling_params import SamplingParams
+from confkv_engine.retention.policies import RetentionConfig
+from confkv_engine.retention.runtime import RetentionState
 
 
 class SeqStatus(enum.Enum):
@@ -49,11 +50,21 @@ class Sequence:
     peak_kv_bytes: int = 0
     reported_tokens: int = 0  # output tokens already handed out in a RequestOutput
     pending_text: str = ""  # text released by the tracker but not handed out yet
-    policy_state: Any = None  # owned by the retention policy (scores, running means...)
+    # Resolved once at admission from the engine's defaults and the request's kv_policy/kv_budget;
+    # None: the full cache. A live policy change never alters it.
+    retention: RetentionConfig | None = None
+    policy_state: RetentionState | None = None  # owned by the retention manager (scores, means...)
+    admitted: bool = False  # admitted at least once (a replay after preemption keeps its first prefix)
+    prefix_len: int = 0  # prompt tokens served by the prefix cache at first admission
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def max_len(self) -> int:
+        """Prompt plus every token it may generate."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
 
-import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from confkv_api import metrics as names
-from confkv_engine.core.async_engine import stat
+from confkv_engine.cache.memory import device_memory
+from confkv_engine.core.control_api import EngineStats
 from confkv_engine.core.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -26,6 +25,8 @@ log = logging.getLogger(__name__)
 disable_created_metrics()
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, float("inf"))
+# Per output token after the first; 0.25 and 0.5 s are bounds so the CPU and GPU thresholds fall on them.
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, float("inf"))
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
@@ -34,39 +35,10 @@ def _suffixless(name: str) -> str:
     return name.removesuffix("_total")
 
 
-def device_memory(device: str) -> tuple[str, int, int]:
-    """(label, used bytes, total bytes): the GPU's memory on CUDA, else this process's RSS and the RAM."""
-    if device.startswith("cuda"):
-        try:
-            import torch
-
-            index = torch.device(device).index or 0
-            free, total = torch.cuda.mem_get_info(index)
-            return f"cuda:{index}", int(total - free), int(total)
-        except Exception:  # no usable CUDA runtime: fall through to NVML, then to process memory
-            used_total = _nvml_memory()
-            if used_total is not None:
-                return "cuda:0", *used_total
-    return "cpu", int(psutil.Process().memory_info().rss), int(psutil.virtual_memory().total)
-
-
-def _nvml_memory() -> tuple[int, int] | None:
-    try:
-        import pynvml  # nvidia-ml-py, optional
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
-        return int(info.used), int(info.total)
-    except Exception:
-        return None
-
-
 class _SnapshotCollector(Collector):
     """Gauges and cumulative counters derived from the engine's stats snapshot at scrape time."""
 
-    def __init__(self, stats: Callable[[], Any], device: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], device: str) -> None:
         self._stats = stats
         self._device = device
 
@@ -76,23 +48,23 @@ class _SnapshotCollector(Collector):
         yield from self._scheduler(s)
         yield from self._device_memory()
 
-    def _cache(self, s: Any) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        total_blocks = stat(s, "num_total_blocks")
-        free_blocks = stat(s, "num_free_blocks")
+    def _cache(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        total_blocks = s.num_total_blocks
+        free_blocks = s.num_free_blocks
         ratio = (total_blocks - free_blocks) / total_blocks if total_blocks else 0.0
         yield GaugeMetricFamily(names.KV_CACHE_USAGE_RATIO, "Used KV blocks / total KV blocks.", value=ratio)
-        total = stat(s, "kv_bytes_total")
-        used = stat(s, "kv_bytes_used")
-        key_only = stat(s, "kv_bytes_key_only")
-        full = stat(s, "kv_bytes_full", used - key_only)
+        total = s.kv_bytes_total
+        used = s.kv_bytes_used
+        key_only = s.kv_bytes_key_only
+        full = s.kv_bytes_full
         tiers = GaugeMetricFamily(names.KV_CACHE_BYTES, "KV cache bytes by tier.", labels=["tier"])
         for tier, value in (("full", full), ("key_only", key_only), ("free", max(0, total - used)),
                             ("total", total)):
             tiers.add_metric([tier], value)
         yield tiers
         yield GaugeMetricFamily(names.KV_CACHE_CAPACITY_BYTES, "Bytes of the whole KV pool.", value=total)
-        queried = stat(s, "prefix_queried_tokens")
-        hits = stat(s, "prefix_hit_tokens")
+        queried = s.prefix_queried_tokens
+        hits = s.prefix_hit_tokens
         yield GaugeMetricFamily(names.PREFIX_CACHE_HIT_RATIO, "Prefix-cache hit tokens / queried tokens.",
                                 value=hits / queried if queried else 0.0)
         yield CounterMetricFamily(_suffixless(names.PREFIX_CACHE_QUERIED_TOKENS),
@@ -100,15 +72,15 @@ class _SnapshotCollector(Collector):
         yield CounterMetricFamily(_suffixless(names.PREFIX_CACHE_HIT_TOKENS),
                                   "Prompt tokens found in the prefix cache.", value=hits)
 
-    def _scheduler(self, s: Any) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def _scheduler(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily(names.REQUESTS_RUNNING, "Requests being decoded.",
-                                value=stat(s, "num_running"))
+                                value=s.num_running)
         yield GaugeMetricFamily(names.REQUESTS_WAITING, "Requests admitted but not running.",
-                                value=stat(s, "num_waiting"))
+                                value=s.num_waiting)
         yield CounterMetricFamily(_suffixless(names.PREEMPTIONS), "Sequences preempted (recompute).",
-                                  value=stat(s, "num_preemptions", stat(s, "preemptions")))
+                                  value=s.num_preemptions)
         yield CounterMetricFamily(_suffixless(names.OOM_ERRORS), "Device out-of-memory errors caught.",
-                                  value=stat(s, "num_oom", stat(s, "oom_errors")))
+                                  value=s.num_oom)
 
     def _device_memory(self) -> Iterator[GaugeMetricFamily]:
         label, used, total = device_memory(self._device)
@@ -131,6 +103,8 @@ class EngineMetrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first generated token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(names.TIME_PER_OUTPUT_TOKEN_SECONDS, "Time per output token after the first.",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
         self.prompt_tokens = Counter(_suffixless(names.PROMPT_TOKENS), "Prompt tokens of finished requests.",
                                      registry=self.registry)
         self.generation_tokens = Counter(_suffixless(names.GENERATION_TOKENS), "Generated tokens.",
@@ -140,7 +114,7 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(reason=reason)
 
-    def attach_engine(self, stats: Callable[[], Any], device: str) -> None:
+    def attach_engine(self, stats: Callable[[], EngineStats], device: str) -> None:
         """Expose the snapshot-derived metrics once the engine exists (the model loads after start-up)."""
         self.registry.register(_SnapshotCollector(stats, device))
 
@@ -155,6 +129,9 @@ class EngineMetrics:
         self.latency.observe(max(0.0, end - out.arrival_time))
         if out.first_token_time is not None:
             self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+            n = len(out.output_token_ids)
+            if n >= 2:
+                self.tpot.observe(max(0.0, end - out.first_token_time) / (n - 1))
 
     def observe_aborted(self, request_id: str) -> None:
         """A request abandoned by its client (disconnect) and aborted in the engine."""

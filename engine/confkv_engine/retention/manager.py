@@ -2,32 +2,36 @@
 
 The engine (or a benchmark driving the cache directly) calls, per sequence:
 
-1. ``new_state(params)`` when the sequence (re)starts: its ``RetentionState`` (None = full cache);
-2. ``RetentionAttention.begin_step(..., states)`` / model forward / ``end_step`` as usual;
+1. ``config_for(kv_policy, kv_budget)`` once, when the request is admitted: the config it keeps for
+   its whole life (a live policy change never alters a running request's reservation or chunks);
+2. ``new_state(config)`` when the sequence (re)starts: its ``RetentionState`` (None = full cache);
+   ``RetentionAttention.begin_step(..., states)`` / model forward / ``end_step`` as usual;
 3. ``observe_logits(state, logits, first_position, successors)`` for the rows whose successors are
    known (sampling signal; skipped when the scorer does not use it);
 4. ``after_step(seq_kv, state, num_computed)``: at decision points the policy runs and the
    sequence is compacted, freeing blocks in the same step.
 
-Configuration comes from ``ConfKVSection`` (``from_section``), per request overridden by
-``SamplingParams.kv_policy`` / ``kv_budget``.
+Configuration comes from ``ConfKVSection`` (``config_from_section``), per request overridden by
+``SamplingParams.kv_policy`` / ``kv_budget``; the defaults change only through ``set_defaults``.
+The manager is also the scheduler's ``AdmissionPolicy`` (reservations and chunk alignment).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from confkv_api.config import ConfKVSection
-from confkv_engine.attention.retention import score_pending
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
-from confkv_engine.core.outputs import KVUsage
+from confkv_engine.cache.usage import KVUsage
 from confkv_engine.retention import scorer
-from confkv_engine.retention.compaction import NullBlock, apply_tiers, held_bytes
+from confkv_engine.retention.compaction import apply_tiers, held_bytes
 from confkv_engine.retention.policies import RetentionConfig
-from confkv_engine.retention.runtime import RetentionState, accounting, decision_interval, shared_blocks
+from confkv_engine.retention.runtime import RetentionState, accounting, decision_interval
+from confkv_engine.retention.scoring import score_pending
 from confkv_engine.retention.tiers import TierConfig, budget_target, is_decision_point
 
 # Pressure mode: the budget applies while fewer than this fraction of the pool's blocks are free.
@@ -52,28 +56,49 @@ def config_from_section(section: ConfKVSection,
         budget=section.budget, budget_tokens=section.budget_tokens, budget_mode=section.budget_mode))
 
 
+class RetainedRequest(Protocol):
+    """What the manager reads of an engine request (``core.sequence.Sequence``)."""
+
+    kv: SeqKV
+    retention: RetentionConfig | None
+    num_computed: int
+    prefix_len: int  # tokens served from the prefix cache when the request was first admitted
+    policy_state: RetentionState | None
+
+    @property
+    def prompt_len(self) -> int: ...
+
+    @property
+    def max_len(self) -> int: ...
+
+
 class RetentionManager:
     def __init__(self, cache: KVCache, num_q_heads: int, defaults: RetentionConfig,
                  prefill_chunk: int) -> None:
         spec = cache.spec
         self.cache = cache
-        self.defaults = defaults
         self.group = num_q_heads // spec.num_kv_heads
         self.interval = decision_interval(spec.block_size, prefill_chunk)
-        if defaults.policy != "full" and defaults.tiers.window < prefill_chunk:
-            raise ValueError(f"the recent window ({defaults.tiers.window}) must hold a prefill chunk "
-                             f"({prefill_chunk})")
-        self.null = NullBlock(cache)
+        self.check(defaults)
+        self._defaults = defaults
         self.blocks_freed = 0
 
-    def apply_section(self, section: ConfKVSection) -> None:
-        """Live policy update (thresholds, sinks, window, budget, mode, policy): new and restarted
-        sequences use it; running ones keep the config they started with (their decisions so far
-        were made under it and demotion is one-way)."""
-        cfg = config_from_section(section, self.defaults.scorer)
+    def check(self, cfg: RetentionConfig) -> None:
+        """Raise ValueError when the engine cannot run ``cfg``: the recent window must hold the
+        tokens appended between two decisions (one prefill chunk, rounded up to whole blocks)."""
         if cfg.policy != "full" and cfg.tiers.window < self.interval:
-            raise ValueError(f"window ({cfg.tiers.window}) must hold a prefill chunk ({self.interval})")
-        self.defaults = cfg
+            raise ValueError(f"the recent window ({cfg.tiers.window}) must hold a prefill chunk "
+                             f"({self.interval} tokens) when kvPolicy is {cfg.policy!r}")
+
+    @property
+    def defaults(self) -> RetentionConfig:
+        return self._defaults
+
+    def set_defaults(self, cfg: RetentionConfig) -> None:
+        """Live policy change: requests admitted from now on use ``cfg``; running ones keep theirs
+        (their decisions so far were made under it and demotion is one-way)."""
+        self.check(cfg)
+        self._defaults = cfg
 
     def config_for(self, kv_policy: str | None = None, kv_budget: float | None = None) -> RetentionConfig:
         cfg = self.defaults
@@ -87,44 +112,52 @@ class RetentionManager:
         """Pool blocks a sequence under ``cfg`` can ever hold up to ``max_len`` tokens, or None when
         its budget does not bind (no budget, or one no smaller than the full cache): admission
         reserves the budget, not the full length. The budget at ``max_len`` (it only grows with the
-        length), in whole blocks, plus one prefill chunk (K and V) appended before the next decision,
-        plus the shared null block for KEY_ONLY."""
+        length), in whole blocks, plus one prefill chunk (K and V) appended before the next decision
+        (the null block KEY_ONLY points at is the cache's, reserved at start)."""
         if cfg.policy == "full" or (cfg.budget is None and cfg.budget_tokens is None):
             return None
         acct = accounting(self.cache, cfg)
         protected = min(max_len, cfg.tiers.sinks + cfg.tiers.window)
         target = budget_target(acct, max_len, cfg.budget, cfg.budget_tokens, protected)
         bs, bb = self.cache.spec.block_size, self.cache.spec.block_bytes
-        blocks = -(-target // bb) + 2 * self.interval // bs + (1 if cfg.uses_key_only else 0)
+        blocks = -(-target // bb) + 2 * self.interval // bs
         return blocks if blocks < self.cache.blocks_for_tokens(max_len) else None
 
-    def headroom(self, seq) -> int | None:
-        """Blocks an engine ``Sequence`` may still take from its reservation (None: not reserved)."""
-        params = seq.params
-        cfg = self.config_for(params.kv_policy, params.kv_budget)
-        reserved = self.reserve_blocks(cfg, seq.prompt_len + params.max_tokens)
+    def reserved_headroom(self, seq: RetainedRequest) -> int | None:
+        """Blocks a request may still take from its reservation (None: not reserved)."""
+        if seq.retention is None:
+            return None
+        reserved = self.reserve_blocks(seq.retention, seq.max_len)
         if reserved is None:
             return None
-        held = len(seq.kv.k_blocks) + sum(1 for b in seq.kv.v_blocks if b != self.null.id)
-        return max(0, reserved - held)
+        return max(0, reserved - self.cache.held_blocks(seq.kv))
 
-    def new_state(self, cfg: RetentionConfig) -> RetentionState | None:
+    def chunk_alignment(self, seq: RetainedRequest) -> int:
+        """Requests under a retention policy cut their prefill chunks at decision points (multiples
+        of ``interval``), so a replay after preemption decides at the same lengths; others at blocks."""
+        full = seq.retention is None or seq.retention.policy == "full"
+        return self.cache.spec.block_size if full else self.interval
+
+    def new_state(self, cfg: RetentionConfig, shared_slots: int = 0,
+                  protect: int = 0) -> RetentionState | None:
+        """A fresh state. ``shared_slots``: the sequence's first slots, shared through the prefix cache
+        (immutable); ``protect``: positions kept FULL (the prefix shared at first admission)."""
         if cfg.policy == "full":
             return None
         spec = self.cache.spec
         return RetentionState(cfg=cfg, acct=accounting(self.cache, cfg), num_layers=spec.num_layers,
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, group=self.group,
-                              interval=self.interval)
+                              interval=self.interval, base=shared_slots, protect=max(protect, shared_slots))
 
-    def prepare(self, seq) -> RetentionState | None:
-        """The state of an engine ``Sequence`` about to run; a fresh one when it (re)starts at 0
-        (first run, or replay after preemption: the replay recomputes every decision)."""
-        if seq.num_computed == 0:
-            params = seq.params
-            seq.policy_state = self.new_state(self.config_for(params.kv_policy, params.kv_budget))
+    def prepare(self, seq: RetainedRequest) -> RetentionState | None:
+        """The state of a request about to run; a fresh one when it (re)starts (first run, or replay
+        after preemption, which drops the state: the replay recomputes every decision under the same
+        config and the same protected prefix)."""
+        if seq.policy_state is None and seq.retention is not None:
+            seq.policy_state = self.new_state(seq.retention, seq.kv.num_slots, seq.prefix_len)
         return seq.policy_state
 
-    def usage(self, seq) -> KVUsage:
+    def usage(self, seq: RetainedRequest) -> KVUsage:
         """Per-request ``usage``: peak pool bytes and tokens per tier (per (layer, KV head) unit)."""
         state: RetentionState | None = seq.policy_state
         if state is None:
@@ -132,12 +165,6 @@ class RetentionManager:
         full, key_only, discarded = state.tier_counts(seq.num_computed)
         return KVUsage(peak_kv_bytes=max(seq.peak_kv_bytes, state.peak_bytes), tokens_full=full,
                        tokens_key_only=key_only, tokens_discarded=discarded)
-
-    def align_for(self, seq) -> int:
-        """Scheduler chunk alignment for an engine ``Sequence``: sequences under a retention policy
-        cut their chunks at decision points (multiples of ``interval``), others at blocks."""
-        policy = seq.params.kv_policy or self.defaults.policy
-        return self.interval if policy != "full" else self.cache.spec.block_size
 
     def wants_logits(self, state: RetentionState | None) -> bool:
         return (state is not None and state.cfg.policy.startswith("conf-kv")
@@ -154,8 +181,7 @@ class RetentionManager:
         state.on_sampling(first_position, conf.cpu().tolist())
 
     def under_pressure(self) -> bool:
-        pool = self.cache.pool
-        return pool.num_free < PRESSURE_FREE_FRACTION * pool.num_blocks
+        return self.cache.num_free < PRESSURE_FREE_FRACTION * self.cache.num_blocks
 
     def after_step(self, seq: SeqKV, state: RetentionState | None, num_computed: int) -> int:
         """Apply the policy when ``num_computed`` is a decision point; returns blocks freed."""
@@ -164,29 +190,24 @@ class RetentionManager:
         state.peak_bytes = max(state.peak_bytes, self.held_bytes(seq, state))
         if is_decision_point(num_computed, self.interval):
             score_pending(self.cache, seq, state)  # before the policy reads the accumulators
-        if shared_blocks(self.cache, seq, self.null.id):
-            return 0  # prefix-cache rule: shared/hashed blocks are immutable
         new = state.decide(num_computed, self.under_pressure())
         if new is None:
             return 0
-        freed = apply_tiers(self.cache, seq, state, new, self.null)
+        freed = apply_tiers(self.cache, seq, state, new)
         self.blocks_freed += freed
         return freed
 
     def held_bytes(self, seq: SeqKV, state: RetentionState | None) -> int:
-        return held_bytes(self.cache, seq, state, self.null)
+        return held_bytes(self.cache, seq, state)
 
     def tier_bytes(self, pairs: list[tuple[SeqKV, RetentionState | None]]) -> dict[str, int]:
         """Pool bytes by tier over running sequences: K blocks covering only KEY_ONLY slots count as
-        key_only, every other block (and the null block) as full; metadata separately."""
+        key_only, every other block as full; metadata separately."""
         bs, bb = self.cache.spec.block_size, self.cache.spec.block_bytes
         out = {"full": 0, "key_only": 0, "metadata": 0}
         for seq, st in pairs:
             key_blocks = (st.n_key // bs) if st is not None else 0
-            v_real = sum(1 for b in seq.v_blocks if b != self.null.id)
             out["key_only"] += key_blocks * bb
-            out["full"] += (len(seq.k_blocks) - key_blocks + v_real) * bb
+            out["full"] += (self.cache.held_blocks(seq) - key_blocks) * bb
             out["metadata"] += st.metadata_bytes() if st is not None else 0
-        if self.null.id is not None:
-            out["full"] += bb
         return out

@@ -80,6 +80,7 @@ class SlotView:
     group: int
     prev_window: int | None = None
     heads: int = 1  # KV heads per layer (units are ordered layer-major)
+    fixed: int = 0  # positions below this are a shared prefix: kept FULL whatever the policy
 
 
 def tokens_that_fit(target: int, acct: KVAccounting) -> int:
@@ -105,7 +106,7 @@ def select_streaming(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, t
 def select_h2o(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
     n_keep = tokens_that_fit(target, acct)
     recent = n_keep // 2
-    is_recent = view.pos >= view.length - recent
+    is_recent = (view.pos >= view.length - recent) | (view.pos < view.fixed)
     alive = view.tiers != Tier.DISCARD
     heavy_n = n_keep - int(is_recent[0].sum()) if is_recent.numel() else 0
     att = scorer.attention_signal(view.acc, view.norm)

@@ -2,31 +2,32 @@
 
 ``RetentionState`` mirrors, for each K slot of every unit (layer, KV head), the token's absolute
 position, its tier and its attention accumulators, plus the per-position sampling confidence and
-the per-unit merged value of KEY_ONLY tokens. The backend (``backend.RetentionAttention``) records
-each step's queries and ``backend.score_pending`` feeds the attention probabilities of every layer
-at decision points, where ``after_step`` then applies the policy and rewrites the sequence's slots.
+the per-unit merged value of KEY_ONLY tokens. The backend (``attention.retention``) records each
+step's queries and ``scoring.score_pending`` feeds the attention probabilities of every layer at
+decision points, where the manager's ``after_step`` then applies the policy and the cache rewrites
+the sequence's slots.
 
 Slot layout once KEY_ONLY exists (every unit has the same counts, so tables stay rectangular):
 K slots ``[0, n_key)`` hold KEY_ONLY keys, ``[n_key, n)`` FULL keys (sinks and window included),
 each region in position order; V slot s still belongs to K slot s, and the V-table entries that
-cover only KEY_ONLY slots point at a shared, reference-counted *null block* instead of a real one.
+cover only KEY_ONLY slots point at the cache's reserved *null block* instead of a real one.
 Reads of those slots are replaced by the merged mean in the backend; writes never go there (new
 tokens are appended at the end). So freeing a V block is just swapping its table entry for the
 null block, and the pool's own counts stay exact.
 
-Prefix-cache rule: a block whose reference count is above one is shared (or hashed) and
-immutable; ``after_step`` never acts on a sequence that holds one (``shared_blocks``), so
+Prefix-cache rule: a block whose reference count is above one is shared and immutable; the
+manager's ``after_step`` never acts on a sequence that holds one (``KVCache.shares_blocks``), so
 retention only ever rewrites a request's private blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.cache.kv_cache import KVCache
 from confkv_engine.retention import policies, scorer
 from confkv_engine.retention.policies import RetentionConfig, SlotView
 from confkv_engine.retention.tiers import KVAccounting, budget_target, is_decision_point
@@ -71,13 +72,22 @@ class RetentionState:
     prev_window: int | None = None  # recent window at the previous decision
     q_ring: list[list[Tensor]] = field(init=False)  # per layer: queries since the last decision
     q_ring_pos: list[Tensor] = field(default_factory=list)  # their positions, one tensor per step
+    # Slots [0, base) hold a prefix shared through the prefix cache when the state was created:
+    # immutable and never moved; KEY_ONLY slots are [base, base + n_key). Positions below ``protect``
+    # (the prefix the request shared when it was first admitted; >= base) are always FULL: the
+    # policies see them as sinks, so a replay that recomputes part of the prefix decides alike.
+    base: int = 0
+    protect: int = 0
 
     def __post_init__(self) -> None:
-        shape = (self.num_layers, self.num_kv_heads, 0)
-        self.pos = torch.zeros(shape, dtype=torch.long)
+        shape = (self.num_layers, self.num_kv_heads, self.base)
+        self.pos = torch.arange(self.base, dtype=torch.long).expand(shape).contiguous()
         self.tiers = torch.zeros(shape, dtype=torch.int8)
         self.acc = torch.zeros(shape, dtype=torch.float32)
         self.norm = torch.zeros(shape, dtype=torch.float32)
+        if max(self.base, self.protect) > self.cfg.tiers.sinks:
+            sinks = max(self.base, self.protect)
+            self.cfg = replace(self.cfg, tiers=replace(self.cfg.tiers, sinks=sinks))
         self.v_mean = torch.zeros(self.num_layers, self.num_kv_heads, self.head_dim)
         self.v_weight = torch.zeros(self.num_layers, self.num_kv_heads)
         self.last_query = [-1] * self.num_layers
@@ -154,7 +164,8 @@ class RetentionState:
         return SlotView(pos=self.pos.reshape(-1, n), tiers=self.tiers.reshape(-1, n),
                         acc=self.acc.reshape(-1, n), norm=self.norm.reshape(-1, n),
                         c_samp=c[self.pos].reshape(-1, n), length=length, prev_length=self.prev_decision,
-                        group=self.group, prev_window=self.prev_window, heads=self.num_kv_heads)
+                        group=self.group, prev_window=self.prev_window, heads=self.num_kv_heads,
+                        fixed=max(self.base, self.protect))
 
     def target_bytes(self, length: int, under_pressure: bool) -> int:
         cfg = self.cfg
@@ -176,9 +187,3 @@ class RetentionState:
         if self.first_eviction is None:
             self.first_eviction = length
         return new
-
-
-def shared_blocks(cache: KVCache, seq: SeqKV, null_block: int | None) -> bool:
-    """True when the sequence holds a block someone else references (prefix cache): immutable."""
-    return any(cache.pool.ref_count(b) > 1 for b in seq.k_blocks) or any(
-        b != null_block and cache.pool.ref_count(b) > 1 for b in seq.v_blocks)

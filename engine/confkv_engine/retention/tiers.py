@@ -5,7 +5,7 @@ slots per unit, absolute positions in ``pos``). Every unit holds the *same numbe
 (its own choice of tokens, a shared count): that keeps the pool rectangular, so a block holds the
 same slot index for every unit and the bytes a sequence holds are exact whole blocks.
 
-Rules (issue 3):
+Rules:
 - Sinks (first ``sinks`` positions) and the recent window (last ``window`` positions, window >= the
   prefill chunk) are always FULL.
 - When a token leaves the window it is tiered once by its confidence: ``>= high`` FULL,

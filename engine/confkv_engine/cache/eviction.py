@@ -1,0 +1,220 @@
+"""LRU-K eviction order for unreferenced cached prefix blocks (O'Neil, O'Neil and Weikum, 1993).
+
+Pure bookkeeping over hashable keys (block hashes): no tensors, no pool. The cache manager owns the
+blocks and tells this object what happens to them, with a logical clock ``now`` it advances once per
+prefix lookup:
+
+- ``touch(key, now)``: a reference (a lookup hit on the block, or the block being computed and
+  registered). Recorded in the key's history.
+- ``release(key)``: the block's reference count fell to zero; it becomes evictable, with a priority
+  fixed from its history at that moment (like vLLM v1's BlockPool, which appends freed cached blocks
+  to an eviction-ordered free queue, but ordered by LRU-K instead of LRU).
+- ``acquire(key)``: a hit on an evictable block; it is in use again and cannot be evicted.
+- ``victim()``: pops the evictable key to evict; the caller frees its block and then calls
+  ``forget(key)``, which moves the history to the retained-history table (the paper's *retained
+  information period*, bounded by a count here) so that a block that comes back remembers its
+  past references instead of starting cold.
+
+Priority (SGLang-style: one function of a key's history, smallest evicted first):
+
+- Backward K-distance: the victim is the block whose K-th most recent reference is oldest. Blocks
+  with fewer than K references have infinite distance and go first; among those, and between equal
+  K-th times, the least recent last reference goes first (the paper's subsidiary LRU), then the
+  earlier ``release`` (callers release a request's blocks last-to-first, as vLLM does, so the tail
+  of a chain, useless without its head, is evicted before the head). K=1 with no correlated period
+is therefore exactly LRU (vLLM's free queue: appended on release, evicted from the head).
+- Correlated references (the paper's rule): a reference within ``correlated_period`` ticks of the
+  key's last reference only moves its last-reference time. An uncorrelated one shifts the history
+  forward by the length of the correlated burst that just ended (LAST - HIST(1)), so a burst counts
+  as one reference at its start, and records ``now`` as HIST(1). A reference at the same tick as
+  the previous one is always correlated (``now - last > correlated_period`` fails), so one lookup
+  that touches a block twice counts once. The paper also makes a page inside its correlated period
+  ineligible for replacement; here a block in use is simply not evictable (the reference count
+  does that job), so no eligibility clock is needed at ``victim`` time.
+- A reference to a key that is not resident (new, or evicted and remembered) is always a new
+  reference: the remembered history shifts by one, as in the paper's miss path.
+
+History depth is ``max_k`` (>= k) so ``set_k`` can raise K live and immediately use references
+recorded before the change; ``set_k`` re-prioritises the evictable set in O(n log n). Everything
+else is O(log n) amortised: a binary heap with lazy deletion (a stale entry is skipped when popped;
+the heap is rebuilt when stale entries outnumber live ones).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_K = 8
+DEFAULT_RETAINED_HISTORY = 4096
+
+Priority = tuple[int, int, int, int]
+
+
+@dataclass
+class _History:
+    """HIST(key, 1..max_k), most recent first, and LAST(key)."""
+
+    refs: list[int] = field(default_factory=list)
+    last: int = 0
+
+
+class LRUK:
+    """LRU-K order over evictable keys, with retained history for evicted ones.
+
+    ``k``: the K of LRU-K (1 = LRU). ``correlated_period``: ticks within which a repeated reference
+    is correlated (0: only a repeat at the same tick). ``retained_history``: how many evicted keys'
+    histories are remembered (oldest last reference dropped first; 0 = none). ``max_k``: history
+    depth, the largest K ``set_k`` accepts.
+    """
+
+    def __init__(self, k: int = 2, correlated_period: int = 0,
+                 retained_history: int = DEFAULT_RETAINED_HISTORY, max_k: int = DEFAULT_MAX_K) -> None:
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if correlated_period < 0:
+            raise ValueError(f"correlated_period must be >= 0 ticks, got {correlated_period}")
+        if retained_history < 0:
+            raise ValueError(f"retained_history must be >= 0 entries, got {retained_history}")
+        self.max_k = max_k
+        self.k = self._checked_k(k)
+        self.correlated_period = correlated_period
+        self.retained_history = retained_history
+        self._hist: dict[Hashable, _History] = {}  # resident keys (cached blocks)
+        self._retained: dict[Hashable, tuple[_History, int]] = {}  # evicted keys -> (history, stamp)
+        self._retained_heap: list[tuple[int, int, Hashable]] = []  # (last, stamp, key), lazy
+        self._evictable: dict[Hashable, int] = {}  # key -> stamp of its live heap entry
+        self._heap: list[tuple[Priority, Hashable]] = []  # (priority incl. stamp, key), lazy
+        self._stamp = itertools.count()
+
+    # ----------------------------------------------------------------- configuration
+
+    def _checked_k(self, k: int) -> int:
+        if not 1 <= k <= self.max_k:
+            raise ValueError(f"k must be between 1 and max_k={self.max_k}, got {k}")
+        return k
+
+    def set_k(self, k: int) -> None:
+        """Change K live: every entry and all history stay; the evictable set is re-prioritised.
+
+        The relative order of keys with equal priority (release order) is kept.
+        """
+        self.k = self._checked_k(k)
+        live = sorted(self._evictable.items(), key=lambda item: item[1])
+        self._heap = [(self._priority(key, stamp), key) for key, stamp in live]
+        heapq.heapify(self._heap)
+
+    # ----------------------------------------------------------------- references
+
+    def touch(self, key: Hashable, now: int) -> None:
+        """Record a reference to ``key`` at logical time ``now`` (non-decreasing across calls)."""
+        hist = self._hist.get(key)
+        if hist is None:
+            hist = self._readmit(key, now)
+        elif now < hist.last:
+            raise ValueError(f"time went backwards for {key!r}: {now} < last reference {hist.last}")
+        elif now - hist.last > self.correlated_period:
+            burst = hist.last - hist.refs[0]
+            hist.refs = [now] + [t + burst for t in hist.refs[: self.max_k - 1]]
+            hist.last = now
+        else:
+            hist.last = now  # correlated: part of the burst that started at HIST(1)
+        if key in self._evictable:
+            self._push(key)
+
+    def _readmit(self, key: Hashable, now: int) -> _History:
+        entry = self._retained.pop(key, None)
+        if entry is None:
+            hist = _History(refs=[now], last=now)
+        else:
+            hist = entry[0]
+            hist.refs = [now] + hist.refs[: self.max_k - 1]
+            hist.last = now
+        self._hist[key] = hist
+        return hist
+
+    def history(self, key: Hashable) -> tuple[int, ...]:
+        """HIST(key, 1..) most recent first, resident or retained; () if unknown (tests, metrics)."""
+        hist = self._hist.get(key)
+        if hist is None:
+            entry = self._retained.get(key)
+            hist = entry[0] if entry is not None else None
+        return tuple(hist.refs) if hist is not None else ()
+
+    # ----------------------------------------------------------------- evictable set
+
+    def release(self, key: Hashable) -> None:
+        """``key``'s block is unreferenced: it may be evicted, in the order its history gives now."""
+        if key not in self._hist:
+            raise KeyError(f"release of {key!r}, which was never touched (or was forgotten)")
+        if key in self._evictable:
+            raise ValueError(f"{key!r} released twice")
+        self._push(key)
+
+    def acquire(self, key: Hashable) -> bool:
+        """A hit on ``key``: it is no longer evictable. Returns whether it was evictable."""
+        return self._evictable.pop(key, None) is not None
+
+    def victim(self) -> Hashable | None:
+        """Pop and return the evictable key to evict next (None if none is evictable).
+
+        The key's history stays resident until ``forget``; call it once the block is freed.
+        """
+        while self._heap:
+            (_, _, _, stamp), key = heapq.heappop(self._heap)
+            if self._evictable.get(key) == stamp:
+                del self._evictable[key]
+                return key
+        return None
+
+    def forget(self, key: Hashable) -> None:
+        """``key``'s block left the cache: keep its history in the bounded retained table."""
+        self._evictable.pop(key, None)
+        hist = self._hist.pop(key, None)
+        if hist is None or self.retained_history == 0:
+            return
+        stamp = next(self._stamp)
+        self._retained[key] = (hist, stamp)
+        heapq.heappush(self._retained_heap, (hist.last, stamp, key))
+        while len(self._retained) > self.retained_history:
+            _, old_stamp, old_key = heapq.heappop(self._retained_heap)
+            entry = self._retained.get(old_key)
+            if entry is not None and entry[1] == old_stamp:
+                del self._retained[old_key]
+        if len(self._retained_heap) > 2 * len(self._retained) + 16:
+            self._retained_heap = [(h.last, s, k) for k, (h, s) in self._retained.items()]
+            heapq.heapify(self._retained_heap)
+
+    def __len__(self) -> int:
+        return len(self._evictable)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._evictable
+
+    @property
+    def num_retained(self) -> int:
+        return len(self._retained)
+
+    def evictable(self) -> list[Hashable]:
+        """The evictable keys in eviction order, first victim first (tests and debugging)."""
+        live = [(self._priority(key, stamp), key) for key, stamp in self._evictable.items()]
+        return [key for _, key in sorted(live, key=lambda entry: entry[0])]
+
+    # ----------------------------------------------------------------- internals
+
+    def _priority(self, key: Hashable, stamp: int) -> Priority:
+        """Smallest first: (has K references, HIST(K), LAST, release stamp)."""
+        hist = self._hist[key]
+        if len(hist.refs) < self.k:
+            return (0, 0, hist.last, stamp)
+        return (1, hist.refs[self.k - 1], hist.last, stamp)
+
+    def _push(self, key: Hashable) -> None:
+        stamp = next(self._stamp)
+        self._evictable[key] = stamp
+        heapq.heappush(self._heap, (self._priority(key, stamp), key))
+        if len(self._heap) > 2 * len(self._evictable) + 16:
+            self._heap = [(self._priority(k, s), k) for k, s in self._evictable.items()]
+            heapq.heapify(self._heap)

@@ -1,0 +1,38 @@
+"""Device memory readings: the GPU's memory on CUDA (NVML as a fallback), else this process's RSS.
+
+Lives with the cache because sizing the pool and reporting what it occupies read the same figures;
+the HTTP metrics and the control plane's GetStatus both call ``device_memory``.
+"""
+
+from __future__ import annotations
+
+import psutil
+
+
+def device_memory(device: str) -> tuple[str, int, int]:
+    """(label, used bytes, total bytes): the GPU's memory on CUDA, else this process's RSS and the RAM."""
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            index = torch.device(device).index or 0
+            free, total = torch.cuda.mem_get_info(index)
+            return f"cuda:{index}", int(total - free), int(total)
+        except Exception:  # no usable CUDA runtime: fall through to NVML, then to process memory
+            used_total = _nvml_memory()
+            if used_total is not None:
+                return "cuda:0", *used_total
+    return "cpu", int(psutil.Process().memory_info().rss), int(psutil.virtual_memory().total)
+
+
+def _nvml_memory() -> tuple[int, int] | None:
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return int(info.used), int(info.total)
+    except Exception:
+        return None

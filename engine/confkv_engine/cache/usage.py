@@ -1,0 +1,15 @@
+"""The per-request KV record reported in a response's ``usage`` (filled by retention, read by HTTP)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """Peak pool bytes a request held and its tokens per tier (per (layer, KV head) unit)."""
+
+    peak_kv_bytes: int = 0
+    tokens_full: int = 0
+    tokens_key_only: int = 0
+    tokens_discarded: int = 0

@@ -1,0 +1,159 @@
+"""FastAPI app of the engine: OpenAI routes, probes, metrics, errors and auth.
+
+The app knows the server only through ``ServedState`` (what the routes read, and the start-up /
+shutdown hooks its lifespan calls); the composition root ``confkv_engine.server`` implements it,
+loading the model and wiring the control plane, so this room never imports ``control``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from confkv_api.config import ConfKVConfig
+from confkv_engine.core.async_engine import EngineUnavailable, QueueFull
+from confkv_engine.core.sampling_params import InvalidRequest
+from confkv_engine.http.metrics import EngineMetrics
+from confkv_engine.http.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from confkv_engine.http.serving import GenerationFailed, OpenAIServing
+
+log = logging.getLogger("confkv.server")
+
+
+class ServedState(Protocol):
+    """What the routes and the lifespan need from the server."""
+
+    config: ConfKVConfig
+    metrics: EngineMetrics
+    created: int
+
+    async def startup(self) -> None: ...
+    async def shutdown(self) -> None: ...
+    def healthy(self) -> bool: ...
+    def readiness(self) -> tuple[bool, str]: ...
+    def require_serving(self, model: str | None) -> OpenAIServing: ...
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def _auth_dependency(api_key: str | None) -> Callable[[Request], None]:
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+    return check
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return _error(err.status, str(err), err.type, err.param, err.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
+        errors = err.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _error(400, "We could not parse the JSON body of your request.", "invalid_request_error",
+                          code="invalid_json")
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":
+            msg, code = f"Unrecognized request argument supplied: {param}", "unknown_parameter"
+        else:
+            msg, code = f"{param or 'body'}: {first.get('msg', 'invalid value')}", "invalid_value"
+        return _error(400, msg, "invalid_request_error", param, code)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, err: InvalidRequest) -> JSONResponse:
+        return _error(400, str(err), "invalid_request_error", err.param, err.code)
+
+    @app.exception_handler(QueueFull)
+    async def _full(_: Request, err: QueueFull) -> JSONResponse:
+        return _error(429, str(err), "rate_limit_error", code="queue_full")
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(_: Request, err: EngineUnavailable) -> JSONResponse:
+        return _error(503, str(err), "service_unavailable", code="unavailable")
+
+    @app.exception_handler(GenerationFailed)
+    async def _failed(_: Request, err: GenerationFailed) -> JSONResponse:
+        return _error(500, str(err), "server_error", code="generation_failed")
+
+
+def _openai_router(state: ServedState) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(state.config.engine.api_key))])
+
+    @router.post("/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        return await state.require_serving(req.model).completions(req, request)
+
+    @router.post("/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+        return await state.require_serving(req.model).chat(req, request)
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        serving = state.require_serving(None)
+        return {"object": "list", "data": [_model_card(state, serving)]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return _model_card(state, state.require_serving(model_id))
+
+    return router
+
+
+def _model_card(state: ServedState, serving: OpenAIServing) -> dict[str, Any]:
+    return {"id": serving.model_name, "object": "model", "created": state.created, "owned_by": "confkv",
+            "max_model_len": serving.max_model_len}
+
+
+def create_app(state: ServedState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.startup()
+        yield
+        await state.shutdown()
+
+    app = FastAPI(title="CONF-KV engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+    app.include_router(_openai_router(state))
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = state.healthy()
+        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ok, status = state.readiness()
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,33 @@
+"""Attention signal at decision points: fold the queries a sequence recorded into its accumulators.
+
+See ``attention.retention`` for why recomputing ``softmax(q K^T)`` for the recorded queries against the
+cached keys at a decision point equals scoring at every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.retention.runtime import RetentionState
+
+
+def score_pending(cache: KVCache, seq: SeqKV, state: RetentionState) -> None:
+    """Fold the queries recorded since the last decision into ``state``'s accumulators (see the
+    module docstring for why this equals scoring every step). Call before the policy decides."""
+    recorded = state.take_queries()
+    if recorded is None:
+        return
+    queries, q_pos = recorded  # per layer [T, Hq, D]; [T]
+    spec, dev = cache.spec, cache.kv.device
+    hkv, d, g, n, t = spec.num_kv_heads, spec.head_dim, state.group, state.num_slots, q_pos.numel()
+    idx = cache.slot_index(seq.k_blocks, torch.arange(n, device=dev))  # [n]
+    hidden = state.pos.to(dev)[:, :, None, :] > q_pos.to(dev)[None, None, :, None]  # [L, Hkv, T, n]
+    for layer, q in enumerate(queries):
+        keys = cache.kv_flat[layer, idx].transpose(0, 1).float()  # [Hkv, n, D]
+        qg = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
+        scores = torch.bmm(qg, keys.transpose(1, 2)).view(hkv, g, t, n) / math.sqrt(d)
+        probs = scores.masked_fill(hidden[layer][:, None], float("-inf")).softmax(-1).sum(1)  # [Hkv, T, n]
+        state.on_attention(layer, probs, q_pos)

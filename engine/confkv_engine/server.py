@@ -1,0 +1,182 @@
+"""The engine server's composition root: model, engine, HTTP app and control plane wired together.
+
+The model loads in a background thread after the server starts, so ``/health`` (liveness) answers
+during a long load while ``/ready`` (readiness) stays 503 until the engine runs. On SIGTERM
+readiness goes false at once, uvicorn stops accepting connections and waits for in-flight
+responses, then the engine drains and the process exits 0. The gRPC control plane
+(``control.servicer``) starts with the server and attaches to the engine once it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+
+from confkv_api.config import ConfKVConfig
+from confkv_engine.core.async_engine import AsyncEngine
+from confkv_engine.core.control_api import EngineControlTarget
+from confkv_engine.http.app import APIError, create_app
+from confkv_engine.http.metrics import EngineMetrics
+from confkv_engine.http.serving import OpenAIServing
+
+log = logging.getLogger("confkv.server")
+
+
+class ServerState:
+    """The server's state (``http.app.ServedState``); the engine parts are filled in by the loader thread."""
+
+    def __init__(self, config: ConfKVConfig, on_load_failed: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.metrics = EngineMetrics()
+        self.engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self.model_name: str | None = config.model.served_name
+        self.max_model_len = 0
+        self.load_error: str | None = None
+        self.draining = False
+        self.created = int(time.time())
+        self.on_load_failed = on_load_failed
+        self.loaded_event = threading.Event()
+        self.drain_timeout: float | None = None
+        self._loader: asyncio.Future[None] | None = None
+        from confkv_engine.control.servicer import ControlPlane  # grpc: imported only by a serving process
+
+        self.control = ControlPlane(config)
+
+    def load(self) -> None:
+        """Load the model and start the engine thread (runs in a worker thread)."""
+        try:
+            from confkv_engine.core.engine import LLMEngine
+            from confkv_engine.model.loader import load_model, resolve_device, resolve_dtype
+
+            cfg = self.config
+            loaded = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype),
+                                resolve_device(cfg.engine.device))
+            core = LLMEngine(loaded, cfg)
+            engine = AsyncEngine(core,
+                                 on_finished=self.metrics.observe_finished,
+                                 on_aborted=self.metrics.observe_aborted)
+            self.model_name = self.model_name or loaded.name
+            self.max_model_len = loaded.max_model_len
+            vocab = getattr(loaded.args, "vocab_size", 1 << 31)
+            self.metrics.attach_engine(engine.stats, str(loaded.device))
+            engine.start()
+            self._attach_control(core, engine, str(loaded.device))
+            self.serving = OpenAIServing(engine, loaded.tokenizer, self.model_name,
+                                         loaded.max_model_len, vocab)
+            self.engine = engine
+            log.info("model %s loaded (%s, %s); max_model_len=%d", self.model_name, loaded.device,
+                     loaded.dtype, loaded.max_model_len)
+        except Exception as err:
+            log.exception("model load failed")
+            self.load_error = f"{type(err).__name__}: {err}"
+            if self.on_load_failed is not None:
+                self.on_load_failed()
+        finally:
+            self.loaded_event.set()
+
+    def _attach_control(self, core: EngineControlTarget, engine: AsyncEngine, device: str) -> None:
+        try:
+            self.control.attach(core, engine.stats, self.metrics.registry, device, self.model_name)
+        except Exception:  # the HTTP API keeps serving without the control plane
+            log.exception("gRPC control plane could not attach to the engine")
+
+    async def startup(self) -> None:
+        """gRPC on the shared Unix socket (started by ``run_server`` before the port opens; a no-op then;
+        UNAVAILABLE until the engine attaches), then the model load."""
+        self.control.start()
+        self._loader = asyncio.get_running_loop().run_in_executor(None, self.load)
+
+    async def shutdown(self) -> None:
+        self.begin_drain()
+        log.info("shutting down: draining the engine")
+        if self._loader is not None:
+            await self._loader  # a load still running finishes first, so the engine thread stops cleanly
+        if self.engine is not None:
+            await self.engine.drain_and_stop(self.drain_timeout)
+        self.control.stop()
+        log.info("engine stopped")
+
+    def healthy(self) -> bool:
+        return self.load_error is None and (self.engine is None or self.engine.alive or self.draining)
+
+    def begin_drain(self) -> None:
+        self.draining = True
+        if self.engine is not None:
+            self.engine.begin_drain()
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.load_error:
+            return False, "failed"
+        if self.draining:
+            return False, "draining"
+        if self.engine is None:
+            return False, "loading"
+        return (True, "ready") if self.engine.alive else (False, "engine stopped")
+
+    def require_serving(self, model: str | None) -> OpenAIServing:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", code="draining")
+        if self.serving is None:
+            raise APIError(503, "the model is still loading", "service_unavailable", code="not_ready")
+        if model is not None and model not in (self.model_name, self.config.model.source):
+            raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        return self.serving
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with readiness dropped at the signal and a clean exit status after the drain."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self._state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._state.begin_drain()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured signal after shutting down; a drained SIGTERM is a clean exit.
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
+            captured.remove(sig)
+
+
+def run_server(config: ConfKVConfig, log_level: str = "info",
+               on_loaded: Callable[[str], None] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit status (1 when the model failed to load or
+    the control plane cannot start)."""
+    holder: dict[str, DrainingServer] = {}
+
+    def stop() -> None:
+        holder["server"].should_exit = True
+
+    state = ServerState(config, on_load_failed=stop)
+    from confkv_engine.control.servicer import ControlPlaneError
+
+    try:
+        state.control.start()  # before the port opens: no engine serves without its control plane
+    except ControlPlaneError as err:
+        log.error("exiting: gRPC control plane not started: %s", err)
+        return 1
+    app = create_app(state)
+    uv_config = uvicorn.Config(app, host=config.engine.host, port=config.engine.port, log_level=log_level,
+                               access_log=log_level == "debug", lifespan="on")
+    server = holder["server"] = DrainingServer(uv_config, state)
+    if on_loaded is not None:
+        def announce() -> None:
+            state.loaded_event.wait()
+            if state.serving is not None:
+                on_loaded(state.serving.model_name)
+        threading.Thread(target=announce, daemon=True).start()
+    server.run()
+    log.info("server stopped")
+    if state.load_error:
+        log.error("exiting: %s", state.load_error)
+        return 1
+    return 0
