@@ -59,7 +59,9 @@ def build_service(name: str, spec: DeploymentSpec, settings: OperatorSettings) -
 
 
 def build_service_account(name: str) -> Obj:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(n.agent_account_name(name), name)}
+    # No automount for any pod using the account: only the agent container mounts a token (pod.py).
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(n.agent_account_name(name), name),
+            "automountServiceAccountToken": False}
 
 
 def build_role(name: str) -> Obj:

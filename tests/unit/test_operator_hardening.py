@@ -129,6 +129,12 @@ def test_only_the_agent_container_mounts_an_api_token() -> None:
             assert token_mounts == [], f"{name} must not get a Kubernetes API token"
 
 
+def test_the_agent_account_automounts_nothing_either() -> None:
+    children = build_children("demo", "ns", check_spec({}, DEFAULT), DEFAULT)
+    (account,) = [c for c in children if c["kind"] == "ServiceAccount"]
+    assert account["automountServiceAccountToken"] is False
+
+
 def test_the_projected_token_is_where_the_agents_kubernetes_client_reads_it() -> None:
     """The agent calls kubernetes.config.load_incluster_config(): token and CA at its fixed paths."""
     from kubernetes.config import incluster_config
