@@ -130,6 +130,9 @@ class CacheStorageSpec(_Model):
             raise ValueError("cacheStorage.type 'pvc' needs claimName")
         if self.type == "hostPath" and not self.host_path:
             raise ValueError("cacheStorage.type 'hostPath' needs hostPath")
+        if self.type != "hostPath" and self.host_path:
+            # Refused rather than ignored: the author would believe the cache is on the node's disk.
+            raise ValueError(f"cacheStorage.hostPath is only used with type 'hostPath', not {self.type!r}")
         if not self.mount_path.startswith("/"):
             raise ValueError(f"cacheStorage.mountPath must be absolute, got {self.mount_path!r}")
         return self

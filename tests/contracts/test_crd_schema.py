@@ -60,6 +60,7 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "token-without-hf": ({"model": {"tokenSecretRef": "hf"}}, "tokenSecretRef is only used with hfId"),
     "pvc-without-claim": ({"cacheStorage": {"type": "pvc"}}, "type pvc needs claimName"),
     "hostpath-without-path": ({"cacheStorage": {"type": "hostPath"}}, "type hostPath needs hostPath"),
+    "hostpath-without-type": ({"cacheStorage": {"hostPath": "/mnt/nvme"}}, "hostPath is only used with type"),
     "hf-outside-mount": ({"model": {"hfId": "Qwen/Qwen2.5-0.5B", "source": "/data/qwen"}},
                          "model.source under modelStorage.mountPath"),
     "lru-k-zero": ({"confkv": {"eviction": {"k": 0}}}, "minimum"),

@@ -196,5 +196,5 @@ def test_cel_rules_cover_the_model_validators(spec_schema: dict[str, Any]) -> No
     rules = yaml.safe_dump(spec_schema)
     for fragment in ("self.high > self.medium", "self.k >= 1", "has(self.budgetTokens)",
                      "self.prefillChunk <= self.maxNumBatchedTokens", "has(self.claimName)",
-                     "has(self.hostPath)", "self.model.source.startsWith"):
+                     "has(self.hostPath)", "!has(self.hostPath)", "self.model.source.startsWith"):
         assert fragment in rules
