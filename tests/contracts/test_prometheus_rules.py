@@ -220,7 +220,7 @@ def test_the_agents_quantile_equals_promql_histogram_quantile(promtool: str, tmp
 
 
 def test_the_operator_gives_a_deployment_without_gpus_the_cpu_threshold() -> None:
-    from confkv_api.config import load_deployment_spec
+    from confkv_api.deployment import load_deployment_spec
     from confkv_operator.builders import build_children
     from confkv_operator.settings import OperatorSettings
 
