@@ -15,13 +15,18 @@ What the engine can do today, and therefore what the RPCs do:
 - Compress, RebuildIndex, Warmup: FAILED_PRECONDITION naming the missing capability (no quantized
   block compression, no cache-directory log, no prefix cache yet). Nothing pretends.
 
+Threads: a sync gRPC server runs every RPC on a worker thread, and a WatchStatus stream holds its
+worker for as long as it is open. Streams are therefore bounded on their own (``MAX_WATCH_STREAMS``;
+the excess gets RESOURCE_EXHAUSTED at once) and the pool has ``UNARY_WORKERS`` more threads than
+that, so open streams never starve GetStatus or UpdatePolicy. A stream whose client goes away
+frees its worker at once (a termination callback wakes it), not after its interval.
+
 Server integration (``server.py``): ``ControlPlane(config)``, ``start()`` at start-up, ``attach(...)``
 once the engine runs, ``stop()`` at shutdown.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -47,9 +52,17 @@ from confkv_engine.control.policy import (
     PolicyNotLive,
     PolicySnapshot,
     PolicyStore,
+    parse_patch,
 )
 
 log = logging.getLogger("confkv.control")
+
+# Concurrent WatchStatus streams (the agent polls GetStatus; streams are for dashboards and tools).
+MAX_WATCH_STREAMS = 8
+# Worker threads beyond the streams' own, for the unary RPCs; and the RPCs admitted at once
+# (beyond it grpc answers RESOURCE_EXHAUSTED).
+UNARY_WORKERS = 8
+MAX_CONCURRENT_RPCS = 64
 
 # Longest path a sockaddr_un holds on Linux (108 bytes with the terminating NUL).
 MAX_SOCKET_PATH = 107
@@ -180,8 +193,9 @@ class ControlPlane:
                 if _socket_is_live(path):
                     raise ControlPlaneError(f"another process is serving the control socket {path}")
                 os.unlink(path)  # left behind by an engine that died
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="confkv-grpc"),
-                                 maximum_concurrent_rpcs=32)
+            workers = futures.ThreadPoolExecutor(max_workers=MAX_WATCH_STREAMS + UNARY_WORKERS,
+                                                 thread_name_prefix="confkv-grpc")
+            server = grpc.server(workers, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
             pb_grpc.add_EngineControlServicer_to_server(ControlServicer(self), server)
             if not server.add_insecure_port(f"unix://{path}"):
                 raise ControlPlaneError(f"could not bind unix://{path}")
@@ -254,6 +268,20 @@ class ControlPlane:
             startup_policy_json=store.startup.to_json(), capabilities=caps)
 
 
+def _once(action: Callable[[], object]) -> Callable[[], None]:
+    """``action`` made idempotent and thread-safe (a stream's slot is released by whichever of its
+    termination callback and its own ``finally`` comes first)."""
+    lock, done = threading.Lock(), [False]
+
+    def run() -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+        action()
+    return run
+
+
 _POLICY_CODES = {PolicyInvalid: grpc.StatusCode.INVALID_ARGUMENT,
                  PolicyNotLive: grpc.StatusCode.FAILED_PRECONDITION,
                  PolicyConflict: grpc.StatusCode.ABORTED}
@@ -262,6 +290,7 @@ _POLICY_CODES = {PolicyInvalid: grpc.StatusCode.INVALID_ARGUMENT,
 class ControlServicer(pb_grpc.EngineControlServicer):
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
+        self._watch_slots = threading.BoundedSemaphore(MAX_WATCH_STREAMS)
 
     def _require(self, context: grpc.ServicerContext) -> tuple[EngineBinding, PolicyStore]:
         bound = self.plane.bound()
@@ -276,22 +305,29 @@ class ControlServicer(pb_grpc.EngineControlServicer):
     def WatchStatus(self, request: pb.WatchStatusRequest,
                     context: grpc.ServicerContext) -> Iterator[pb.EngineStatus]:
         self._require(context)
+        if not self._watch_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{MAX_WATCH_STREAMS} WatchStatus streams are already open; close one, or poll "
+                          f"GetStatus")
+        ended = threading.Event()
+        release = _once(self._watch_slots.release)
+        context.add_callback(ended.set)  # client gone or server stopping: wake the wait below
+        context.add_callback(release)
         interval = min(max(request.interval_seconds or 1.0, 0.1), 3600.0)
-        while context.is_active() and not self.plane.stopping.is_set():
-            yield self.plane.status()
-            self.plane.stopping.wait(interval)
+        try:
+            while context.is_active() and not self.plane.stopping.is_set():
+                yield self.plane.status()
+                ended.wait(interval)
+        finally:
+            release()
 
     def UpdatePolicy(self, request: pb.UpdatePolicyRequest,
                      context: grpc.ServicerContext) -> pb.UpdatePolicyResponse:
         _, store = self._require(context)
         reason = request.reason or "unspecified"
-        try:
-            patch = json.loads(request.confkv_json) if request.confkv_json.strip() else None
-        except json.JSONDecodeError as err:
-            log.warning("policy update refused (%s): confkv_json is not JSON: %s", reason, err)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confkv_json is not valid JSON: {err}")
         batch = request.max_batch_size if request.HasField("max_batch_size") else None
         try:
+            patch = parse_patch(request.confkv_json)
             change = store.update(patch, replace=request.replace, max_batch_size=batch,
                                   expected_version=request.expected_version,
                                   require_live=request.require_live, reason=reason)
