@@ -7,6 +7,10 @@ Fields OpenAI defines that this server cannot honour are accepted only at their 
 otherwise. Engine-specific sampling controls (``top_k``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``kv_policy``, ``kv_budget``) are accepted as extra body fields, the way the
 ``openai`` client's ``extra_body`` sends them.
+
+Text that cannot be tokenized is refused here, not deep in the tokenizer: a prompt or message with
+a lone surrogate (``"\ud800"``, which JSON can carry but Unicode text cannot) is a 400 naming the
+field. ``seed`` is a signed 64-bit integer, as in OpenAI's API and as torch's generators take it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from confkv_engine.core.sampling_params import InvalidRequest
 
 MAX_STOP_STRINGS = 16
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def check_unicode(text: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (only ever non-ASCII) is a ValueError."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"contains a lone surrogate (U+{ord(text[err.start]):04X} at character "
+                             f"{err.start}); text must be valid Unicode") from None
+    return text
 
 
 class ErrorInfo(BaseModel):
@@ -57,7 +73,7 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     # Engine extras (``extra_body`` in the openai client).
     top_k: int = Field(default=0, ge=-1)
     min_tokens: int = Field(default=0, ge=0)
@@ -115,6 +131,14 @@ class CompletionRequest(_Request):
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        for text in [value] if isinstance(value, str) else value:
+            if isinstance(text, str):
+                check_unicode(text)
+        return value
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of not in (None, 1):
@@ -143,6 +167,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        for part in [value] if isinstance(value, str) else value or ():
+            text = part if isinstance(part, str) else part.get("text")
+            if isinstance(text, str):
+                check_unicode(text)
+        return value
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from confkv_engine.core.async_engine import AsyncEngine
 from confkv_engine.core.outputs import RequestOutput
@@ -87,14 +88,18 @@ class OpenAIServing:
             if bad:
                 raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                      param="prompt")
-            ids, text = list(prompt), self.tokenizer.decode(list(prompt))
+            # Text only for echo, and only of a prompt that can fit (decoding holds the GIL).
+            ids = list(prompt)
+            text = self.tokenizer.decode(ids) if len(ids) <= self.max_model_len else ""
         if not ids:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         return ids, text
 
     async def completions(self, req: CompletionRequest, http: Request) -> Any:
         req.check_supported()
-        ids, prompt_text = self._completion_prompt(req)
+        # Tokenizing (and the chat template below) runs on a worker thread: a megabyte prompt takes
+        # seconds, and the event loop must keep answering /health meanwhile.
+        ids, prompt_text = await run_in_threadpool(self._completion_prompt, req)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         if max_tokens == 0 and not req.echo:
             raise InvalidRequest("max_tokens must be >= 1 unless echo is set", param="max_tokens")
@@ -160,7 +165,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Any:
         req.check_supported()
-        ids = self._chat_prompt(req)
+        ids = await run_in_threadpool(self._chat_prompt, req)
         requested = req.requested_max_tokens
         if requested == 0:
             raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
