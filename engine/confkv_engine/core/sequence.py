@@ -50,6 +50,7 @@ class Sequence:
     reported_tokens: int = 0  # output tokens already handed out in a RequestOutput
     pending_text: str = ""  # text released by the tracker but not handed out yet
     policy_state: Any = None  # owned by the retention policy (scores, running means...)
+    grammar: Any = None  # structured output: the sampling layer's GrammarState, made on first sampling
 
     @property
     def prompt_len(self) -> int:
