@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -94,3 +96,14 @@ class EngineServer:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def running_server(log_dir: Path, *flags: str, api_key: str | None = None) -> Iterator[EngineServer]:
+    """A ready ``EngineServer`` for the duration of the block (stopped even if start-up fails)."""
+    srv = EngineServer(log_dir, *flags, api_key=api_key)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()

@@ -74,3 +74,10 @@ def test_version_and_usage_errors() -> None:
     bad = subprocess.run([sys.executable, "-m", "confkv_engine.cli", "serve", "--dtype", "int3"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--dtype" in bad.stderr
+
+
+def test_served_model_name_list_gives_primary_and_aliases() -> None:
+    config = _config(["--served-model-name", "main", "alias-a", "alias-b"])
+    assert config.model.served_name == "main" and config.model.served_aliases == ["alias-a", "alias-b"]
+    single = _config(["--served-name", "solo"])
+    assert single.model.served_name == "solo" and single.model.served_aliases == []

@@ -65,7 +65,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) 
             try:
                 built = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
             except ValueError as err:  # a tokenizer layout llguidance cannot read
-                raise _invalid(f"structured output is unavailable for this model's tokenizer: {err}") from None
+                raise _invalid(f"structured output cannot use this model's tokenizer: {err}") from None
             cached = (backend, built)
             _tokenizers[key] = cached
         return cached[1]
