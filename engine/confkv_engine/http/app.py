@@ -136,7 +136,7 @@ def _openai_router(state: ServedState) -> APIRouter:
 
 
 def _tokenizer_router(state: ServedState) -> APIRouter:
-    """vLLM's tokenizer endpoints (outside /v1, behind the same API key)."""
+    """vLLM's tokenizer endpoints (outside /v1, as vLLM serves them; behind the same API key)."""
     router = APIRouter(dependencies=[Depends(_auth_dependency(state.config.engine.api_key))])
 
     @router.post("/tokenize")
@@ -146,6 +146,10 @@ def _tokenizer_router(state: ServedState) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         return tokenization.detokenize(state.require_serving(req.model), req)
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenization.tokenizer_info(state.require_serving(None))
 
     return router
 

@@ -1,4 +1,6 @@
-"""vLLM's ``/tokenize`` and ``/detokenize``: the token ids this server would feed the model.
+"""vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``: the token ids this server would
+feed the model, and the tokenizer facts a client needs to tokenize remotely (lm-eval's ``remote``
+tokenizer backend reads exactly these three).
 
 A completion prompt is tokenized as ``/v1/completions`` tokenizes it; a conversation is rendered
 with the chat template first, as ``/v1/chat/completions`` does. ``add_special_tokens`` adds BOS
@@ -50,3 +52,12 @@ def detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict[str, Any]
     except TypeError:  # a tokenizer without the keyword
         text = tok.decode(req.tokens)
     return {"prompt": text}
+
+
+def tokenizer_info(serving: OpenAIServing) -> dict[str, Any]:
+    """vLLM's ``GET /tokenizer_info``: special tokens, chat template and context length."""
+    tok: Any = serving.tokenizer
+    return {"tokenizer_class": type(tok).__name__, "eos_token": getattr(tok, "eos_token", None),
+            "bos_token": getattr(tok, "bos_token", None), "pad_token": None,
+            "chat_template": getattr(tok, "chat_template", None), "model_max_length": serving.max_model_len,
+            "add_bos_token": bool(getattr(tok, "add_bos_token", False))}
