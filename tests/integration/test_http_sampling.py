@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -154,21 +155,8 @@ def test_min_p_keeps_only_tokens_near_the_best(client: openai.OpenAI) -> None:
 
 # ---- structured output -------------------------------------------------------------------------------
 
-PET_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "kind": {"enum": ["cat", "dog", "bird"]},
-        "owner": {"type": "object",
-                  "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                 "tags": {"type": "array", "items": {"enum": ["kind", "busy", "old"]},
-                                          "maxItems": 3}},
-                  "required": ["age", "tags"], "additionalProperties": False},
-        "scores": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
-    },
-    "required": ["name", "kind", "owner", "scores"],
-    "additionalProperties": False,
-}
+# Nested objects, enums and arrays; shared with bench/grammar_mask_cost.py.
+PET_SCHEMA = json.loads((Path(__file__).with_name("pet_schema.json")).read_text())
 
 
 def test_json_schema_output_validates(client: openai.OpenAI) -> None:

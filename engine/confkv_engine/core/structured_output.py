@@ -1,13 +1,16 @@
 """Structured output (``response_format`` json_object / json_schema) through llguidance.
 
-Library choice, measured on this project's CPU with SmolLM2's 49,152-token vocabulary and a schema
-of nested objects, an enum and arrays (``bench/grammar_mask_cost.py``): llguidance and xgrammar
-both compute a token mask in tens of microseconds per token (against milliseconds for a model
-step); outlines-core takes several times longer per token (it returns a Python list of allowed
-ids) and precompiles a whole-vocabulary index per schema. llguidance is kept: no dependencies
-(xgrammar requires torch, transformers and triton), its compile errors name the unsupported schema
-feature, and it reads the tokenizer straight from the ``tokenizers`` JSON the GGUF vocabulary is
-rebuilt into, so byte-level tokens map to bytes exactly as the model's decoder does.
+Library choice, measured on this project's CPU (one thread) with SmolLM2's 49,152-token vocabulary
+and a schema of nested objects, enums and arrays (``bench/grammar_mask_cost.py``, mean / p99 per
+token): xgrammar 2.4 / 10 us, llguidance 49 / 509 us (its first masks build the lexer lazily),
+outlines-core 71 / 307 us (plus a 233 ms whole-vocabulary index per schema). The engine's own part
+(unpacking the bitmask and masking the logits row) costs about 60 us whatever the library, so the
+whole per-token cost is ~110 us with llguidance against ~65 us with xgrammar: both well under 1%
+of a model step here. llguidance is kept: it has no dependencies (xgrammar requires torch,
+transformers and triton, the last alone larger than this engine's image), its compile errors name
+the unsupported schema feature (they become the 400's message), and it reads the tokenizer straight
+from the ``tokenizers`` JSON the GGUF vocabulary is rebuilt into, so byte-level tokens map to bytes
+exactly as the model's decoder does.
 
 JSON is generated compact (no whitespace between tokens, vLLM's ``disable_any_whitespace``): a small
 model given free whitespace can loop on newlines until max_tokens and never close the object.
@@ -26,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -115,10 +119,12 @@ def apply_grammar_masks(logits: Tensor, states: Sequence[GrammarState | None]) -
     words = torch.zeros(len(rows), (vocab + _BITS - 1) // _BITS, dtype=torch.int32)
     for r, i in enumerate(rows):
         states[i].fill_bitmask(words[r])  # type: ignore[union-attr]
-    shifts = torch.arange(_BITS, dtype=torch.int32)
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    # Bit j of little-endian word w is token 32w + j: unpacking the bytes least-significant bit
+    # first yields the tokens in order (numpy's unpackbits is several times faster than shifts).
+    bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    forbidden = torch.from_numpy(bits == 0).to(logits.device)
     idx = torch.tensor(rows, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    logits[idx] = logits[idx].masked_fill(forbidden, float("-inf"))
     return logits
 
 
