@@ -91,11 +91,13 @@ def parse_duration(value: str) -> float:
 class ModelSection(_Model):
     """What the engine loads. ``source``: ``builtin:smollm2-135m``, a GGUF file path, or a Hugging
     Face directory (config.json, safetensors, tokenizer.json); ``hfId`` names the HF repo the
-    operator fetches into ``source`` when set."""
+    operator fetches into ``source`` when set. ``servedName`` is the name responses carry;
+    ``servedAliases`` are further names the API accepts and lists (vLLM's --served-model-name list)."""
 
     source: str = BUILTIN_MODEL
     hf_id: str | None = None
     served_name: str | None = None
+    served_aliases: list[str] = Field(default_factory=list)  # more names clients may send
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_model_len: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     token_secret_ref: str | None = None

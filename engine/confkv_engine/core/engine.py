@@ -225,11 +225,20 @@ class LLMEngine:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         params = [s.params for s in samplers]
-        masked = sampling.apply_min_tokens_mask(
-            logits.clone(), params, [len(s.output_token_ids) for s in samplers], self.eos_token_ids)
+        for s in samplers:  # the grammar is compiled on the sequence's first sampling step
+            if s.params.structured is not None and s.grammar is None:
+                s.grammar = sampling.GrammarState(s.params.structured, self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids)
+        masked = sampling.processed_logits(
+            logits, params, [s.prompt_token_ids for s in samplers], [s.output_token_ids for s in samplers],
+            self.eos_token_ids, [s.grammar for s in samplers])
         chosen = sampling.sample(masked, params, [s.generator for s in samplers])
-        lps = sampling.token_logprobs(logits, chosen, [p.logprobs for p in params])
-        return {s: (t, lp) for s, t, lp in zip(samplers, chosen.tolist(), lps, strict=True)}
+        lps = sampling.token_logprobs(logits, chosen, [p.logprobs for p in params])  # raw: unprocessed
+        tokens = chosen.tolist()
+        for s, t in zip(samplers, tokens, strict=True):
+            if s.grammar is not None:
+                s.grammar.accept(t)
+        return {s: (t, lp) for s, t, lp in zip(samplers, tokens, lps, strict=True)}
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Entries for the prompt tokens this chunk's rows predict (row r scores token start+r+1)."""

@@ -31,9 +31,18 @@ from starlette.exceptions import HTTPException
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.async_engine import EngineUnavailable, QueueFull
 from confkv_engine.core.sampling_params import InvalidRequest
+from confkv_engine.http import tokenization
 from confkv_engine.http.limits import RequestBodyLimit
 from confkv_engine.http.metrics import EngineMetrics
-from confkv_engine.http.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
+from confkv_engine.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    error_body,
+)
 from confkv_engine.http.serving import GenerationFailed, OpenAIServing
 
 log = logging.getLogger("confkv.server")
@@ -181,18 +190,40 @@ def _openai_router(state: ServedState) -> APIRouter:
     @router.get("/models")
     async def models() -> dict[str, Any]:
         serving = state.require_serving(None)
-        return {"object": "list", "data": [_model_card(state, serving)]}
+        cards = [_model_card(state, serving, name) for name in serving.served_names]
+        return {"object": "list", "data": cards}
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        return _model_card(state, state.require_serving(model_id))
+        return _model_card(state, state.require_serving(model_id), model_id)
 
     return router
 
 
-def _model_card(state: ServedState, serving: OpenAIServing) -> dict[str, Any]:
-    return {"id": serving.model_name, "object": "model", "created": state.created, "owned_by": "confkv",
-            "max_model_len": serving.max_model_len}
+def _tokenizer_router(state: ServedState) -> APIRouter:
+    """vLLM's tokenizer endpoints (outside /v1, as vLLM serves them; behind the same API key)."""
+    router = APIRouter(dependencies=[Depends(_auth_dependency(state.config.engine.api_key))],
+                       responses=_documented(400, 401, 404, 413, 500, 503))
+
+    @router.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        return tokenization.tokenize(state.require_serving(req.model), req)
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return tokenization.detokenize(state.require_serving(req.model), req)
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenization.tokenizer_info(state.require_serving(None))
+
+    return router
+
+
+def _model_card(state: ServedState, serving: OpenAIServing, name: str) -> dict[str, Any]:
+    """One model card per served name, as vLLM lists its --served-model-name aliases."""
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "confkv",
+            "root": state.config.model.source, "parent": None, "max_model_len": serving.max_model_len}
 
 
 def create_app(state: ServedState) -> FastAPI:
@@ -206,6 +237,7 @@ def create_app(state: ServedState) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(RequestBodyLimit, max_bytes=state.config.engine.max_request_bytes)
     app.include_router(_openai_router(state))
+    app.include_router(_tokenizer_router(state))
     app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
     probe_down = {503: {"description": _WHEN[503]}}
 
