@@ -331,7 +331,7 @@ class LLMEngine:
             finished=seq.finished, finish_reason=seq.finish_reason, error=seq.error,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
-            kv_usage=self.retention.usage(seq))
+            num_cached_tokens=seq.prefix_len, kv_usage=self.retention.usage(seq))
 
     # ---- control (``core.control_api.EngineControlTarget``) ---------------------------------
     @property
