@@ -1,7 +1,8 @@
 """Prefix-cache traces and a block-level simulator to compare eviction policies quickly.
 
-``python bench/traces.py`` prints the token hit rate of LRU, LRU-2 and LRU-3 on two seeded traces
-at three cache sizes, and writes ``bench/results/prefix_cache_sim.json``.
+``python bench/traces.py`` prints the token hit rate of LRU, LRU-2 and LRU-3 on three seeded traces
+at three cache sizes (and an unbounded cache, the trace's ceiling), and writes
+``bench/results/prefix_cache_sim.json``.
 
 Traces (a trace is a list of requests, a request a list of token ids; all seeded, so deterministic):
 
@@ -10,8 +11,8 @@ Traces (a trace is a list of requests, a request a list of token ids; all seeded
 - **Multi-turn chats**: a session starts from a hot prefix; every turn re-sends the conversation so
   far (earlier user turns and assistant replies) plus a new user message. Replies are not in the
   previous prompt, so (as in a server that does not cache generated blocks) they miss once.
-- **Scans** (``scan-polluted`` only): now and then a burst of one-off long prompts (documents to
-  summarise, RAG contexts) that share nothing with anything else.
+- **Scans** (``scan-polluted``, and ``api+scans`` with fewer chats): now and then a burst of
+  one-off long prompts (documents to summarise, RAG contexts) that share nothing with anything.
 
 Simulator (``simulate``): serial requests, full blocks only. Block i of a request has the chained
 key hash((key of block i-1, its tokens)), as vLLM and SGLang hash prefixes, so a block is reusable
@@ -24,7 +25,7 @@ released last-to-first. The clock ticks once per request (one prefix lookup).
 Reading the table: LRU-2 keeps blocks seen once (scans, but also the newest turn of every chat)
 only while no block seen twice is evictable, so a one-off burst cannot flush the hot set, but a
 chat's newest turn is usually evicted before the session's next turn and recomputed once. Which
-effect wins depends on the mix of chats and scans, which is why both traces are reported.
+effect wins depends on the mix of chats and scans, which is why several mixes are reported.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class TraceConfig:
 TRACES: dict[str, TraceConfig] = {
     "chat+prefixes": TraceConfig(),
     "scan-polluted": TraceConfig(chat_share=0.45, scan_burst_prob=0.02, scan_burst_len=(1, 10)),
+    "api+scans": TraceConfig(chat_share=0.25, scan_burst_prob=0.02, scan_burst_len=(1, 10)),
 }
 
 
@@ -196,8 +198,10 @@ def run_table(seed: int = 0) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for name, cfg in TRACES.items():
         trace = make_trace(cfg, seed)
+        unbounded = sum(len(block_keys(tokens, 16)) for tokens in trace)  # never evicts
+        ceiling = round(simulate(trace, unbounded, POLICIES["LRU"]).hit_rate, 4)
         for capacity in CACHE_BLOCKS:
-            row: dict[str, object] = {"trace": name, "cache_blocks": capacity}
+            row: dict[str, object] = {"trace": name, "cache_blocks": capacity, "unbounded": ceiling}
             for policy_name, factory in POLICIES.items():
                 row[policy_name] = round(simulate(trace, capacity, factory).hit_rate, 4)
             rows.append(row)
@@ -206,10 +210,10 @@ def run_table(seed: int = 0) -> list[dict[str, object]]:
 
 def main() -> None:
     rows = run_table()
-    names = list(POLICIES)
-    print(f"{'trace':<15} {'blocks':>6} " + " ".join(f"{n:>7}" for n in names) + "   LRU-2 - LRU")
+    names = [*POLICIES, "unbounded"]
+    print(f"{'trace':<15} {'blocks':>6} " + " ".join(f"{n:>9}" for n in names) + "   LRU-2 - LRU")
     for row in rows:
-        rates = " ".join(f"{100 * float(row[n]):6.1f}%" for n in names)  # type: ignore[arg-type]
+        rates = " ".join(f"{100 * float(row[n]):8.1f}%" for n in names)  # type: ignore[arg-type]
         gain = 100 * (float(row["LRU-2"]) - float(row["LRU"]))  # type: ignore[arg-type]
         print(f"{row['trace']:<15} {row['cache_blocks']:>6} {rates}   {gain:+5.1f} points")
     configs = {name: asdict(cfg) for name, cfg in TRACES.items()}

@@ -60,6 +60,33 @@ def test_k1_is_lru_with_release_order_breaking_ties() -> None:
     assert policy.evictable() == ["b2", "b1", "x", "b0"]
 
 
+def test_k1_evicts_exactly_like_a_free_queue_appended_on_release() -> None:
+    """vLLM's prefix cache: freed blocks go to the queue's tail, evictions take its head."""
+    rng = random.Random(3)
+    policy = LRUK(k=1)
+    queue: dict[int, None] = {}  # insertion-ordered evictable keys, the reference LRU
+    cached: set[int] = set()
+    for now in range(1, 400):
+        chain = [rng.randrange(60) for _ in range(rng.randint(1, 6))]
+        chain = list(dict.fromkeys(chain))
+        for key in chain:
+            if key in cached:
+                assert policy.acquire(key) == (key in queue)
+                queue.pop(key, None)
+            elif len(cached) == 20:
+                expected = next(iter(queue))
+                del queue[expected]
+                assert policy.victim() == expected
+                policy.forget(expected)
+                cached.discard(expected)
+            cached.add(key)
+            policy.touch(key, now)
+        for key in reversed(chain):
+            policy.release(key)
+            queue[key] = None
+        assert policy.evictable() == list(queue)
+
+
 def test_scan_flushes_hot_set_under_lru_but_not_lru2() -> None:
     refs = ["h1", "h2", "h1", "h2", "s1", "s2", "s3", "s4", "h1", "h2"]
     evicted, hits = run_cache(LRUK(k=1), refs, capacity=4)

@@ -21,7 +21,8 @@ Priority (SGLang-style: one function of a key's history, smallest evicted first)
   with fewer than K references have infinite distance and go first; among those, and between equal
   K-th times, the least recent last reference goes first (the paper's subsidiary LRU), then the
   earlier ``release`` (callers release a request's blocks last-to-first, as vLLM does, so the tail
-  of a chain, useless without its head, is evicted before the head). K=1 is therefore exactly LRU.
+  of a chain, useless without its head, is evicted before the head). K=1 with no correlated period
+is therefore exactly LRU (vLLM's free queue: appended on release, evicted from the head).
 - Correlated references (the paper's rule): a reference within ``correlated_period`` ticks of the
   key's last reference only moves its last-reference time. An uncorrelated one shifts the history
   forward by the length of the correlated burst that just ended (LAST - HIST(1)), so a burst counts
