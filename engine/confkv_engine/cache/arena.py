@@ -61,6 +61,7 @@ class Arena:
     host_bytes: int
     hosts: list[int] = field(default_factory=list)
     live: int = 0
+    idle: int = 0  # live slots held only by evictable prefix entries (evicting them all empties it)
     _free: list[int] = field(default_factory=list)  # heap of free slot numbers
     _hosts_t: Tensor | None = None
 
@@ -89,7 +90,7 @@ class Arena:
         heapq.heappush(self._free, slot)
         if self.live:
             return []
-        hosts, self.hosts, self._free, self._hosts_t = self.hosts, [], [], None
+        hosts, self.hosts, self._free, self._hosts_t, self.idle = self.hosts, [], [], None, 0
         return hosts
 
     def byte_index(self, slots: Tensor) -> Tensor:
@@ -135,6 +136,21 @@ class CompressedStore:
     @property
     def num_hosts(self) -> int:
         return sum(len(a.hosts) for a in self.arenas.values())
+
+    @property
+    def reclaimable_hosts(self) -> int:
+        """Hosts that evicting every evictable entry would give back: those of arenas whose live
+        slots are all held only by evictable entries."""
+        return sum(len(a.hosts) for a in self.arenas.values() if a.live and a.idle == a.live)
+
+    def set_idle(self, handle: int, delta: int) -> None:
+        """``handle``'s only holder became evictable (+1) or stopped being so (-1)."""
+        self._handles[handle].arena.idle += delta
+
+    def hosts_pinned_by(self, handles: list[int]) -> int:
+        """Reclaimable hosts that would stop being reclaimable if ``handles`` were shared now."""
+        arenas = {id(a): a for a in (self._handles[h].arena for h in handles)}
+        return sum(len(a.hosts) for a in arenas.values() if a.live and a.idle == a.live)
 
     @property
     def stored_bytes(self) -> int:

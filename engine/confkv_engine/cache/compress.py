@@ -98,7 +98,8 @@ def compress_block(cache: KVCache, kind: str, block: int, holders: list[Holder],
     if entry is not None:
         updated = replace(entry, k_block=handle) if kind == "k" else replace(entry, v_block=handle)
         cache.prefix.replace(updated)
-        if entry.key in cache.eviction:
+        if entry.key in cache.eviction:  # still evictable: now through its compressed copy
+            cache.store.set_idle(handle, 1)
             cache._evictable_handles += 1
     return 1
 

@@ -102,7 +102,8 @@ class KVCache:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can get now: the free list plus evictable cached blocks."""
-        return self.pool.num_free + 2 * len(self.eviction) - self._evictable_handles
+        return (self.pool.num_free + 2 * len(self.eviction) - self._evictable_handles
+                + self.store.reclaimable_hosts)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -182,7 +183,7 @@ class KVCache:
         if key is None or self.prefix is None:
             raise NoFreeBlocks("no evictable cached block")
         entry = self.prefix.remove(key)
-        self._evictable_handles -= _handles(entry)
+        self._set_idle(entry, -1)
         self._cold.pop(key, None)
         if self.sink is not None:  # the disk tier decides whether the block deserves the disk
             self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(key)))
@@ -199,7 +200,9 @@ class KVCache:
 
     def evictable_among(self, entries: list[CachedBlock]) -> int:
         """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
-        return sum(2 - _handles(e) for e in entries if e.key in self.eviction)
+        evictable = [e for e in entries if e.key in self.eviction]
+        handles = [b for e in evictable for b in (e.k_block, e.v_block) if b < 0]
+        return sum(2 - _handles(e) for e in evictable) + self.store.hosts_pinned_by(handles)
 
     def attach(self, seq: SeqKV, entries: list[CachedBlock], queried_tokens: int) -> int:
         """Share ``entries`` as the start of an empty sequence; returns the tokens they cover."""
@@ -209,7 +212,7 @@ class KVCache:
         for e in entries:
             self._incref([e.k_block, e.v_block])
             if self.eviction.acquire(e.key):
-                self._evictable_handles -= _handles(e)
+                self._set_idle(e, -1)
                 self._cold.pop(e.key, None)
             self.eviction.touch(e.key, self._clock)
         seq.k_blocks = [e.k_block for e in entries]
@@ -328,9 +331,16 @@ class KVCache:
 
     def _mark_evictable(self, entry: CachedBlock) -> None:
         self.eviction.release(entry.key)
-        self._evictable_handles += _handles(entry)
+        self._set_idle(entry, 1)
         if _handles(entry) < 2:
             self._cold[entry.key] = time.monotonic()
+
+    def _set_idle(self, entry: CachedBlock, delta: int) -> None:
+        """An entry became evictable (+1) or stopped being so (-1): count its compressed blocks."""
+        for b in (entry.k_block, entry.v_block):
+            if b < 0:
+                self.store.set_idle(b, delta)
+                self._evictable_handles += delta
 
     def slot_index(self, blocks: list[int], slots: Tensor) -> Tensor:
         """Flat pool index of slot numbers ``slots`` (any shape) through a block table."""

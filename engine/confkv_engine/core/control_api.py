@@ -17,6 +17,8 @@ BATCH_FIELD = "engine.maxBatchSize"
 #: Fields the retention manager reads when a request is admitted: live (running requests keep theirs).
 RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.sinks", "confkv.window",
                     "confkv.budget", "confkv.budgetTokens", "confkv.budgetMode")
+#: The live compression settings (enabled, bits, groupSize, coldAfterSeconds).
+COMPRESSION_FIELD = "confkv.compression"
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of those, served from the prefix cache (cumulative)
     prefix_hit_ratio_window: float | None = None  # hit / queried over the last 5 minutes; None: no lookups
     kv_bytes_evictable: int = 0  # cached blocks nobody references: reclaimable at once
+    kv_blocks_compressed: int = 0  # K or V blocks stored quantized inside pool memory
+    kv_bytes_compressed: int = 0  # their encoded bytes (scales and minimums included)
 
 
 class PolicyRejected(ValueError):

@@ -26,11 +26,19 @@ from typing import Any
 
 import torch
 
-from confkv_api.config import ConfKVConfig, ConfKVSection, parse_size
+from confkv_api.config import CompressionSection, ConfKVConfig, ConfKVSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
-from confkv_engine.cache.kv_cache import CacheSpec, KVCache, resolve_cache_bytes
+from confkv_engine.cache.arena import block_codecs
+from confkv_engine.cache.kv_cache import CacheSpec, CompressResult, KVCache, resolve_cache_bytes
 from confkv_engine.core import sampling
-from confkv_engine.core.control_api import BATCH_FIELD, RETENTION_FIELDS, EngineStats, PolicyRejected
+from confkv_engine.core.compression import BLOCKS_PER_PASS, CompressionWorker, compress_blocks, encode_stream
+from confkv_engine.core.control_api import (
+    BATCH_FIELD,
+    COMPRESSION_FIELD,
+    RETENTION_FIELDS,
+    EngineStats,
+    PolicyRejected,
+)
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
@@ -93,6 +101,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.num_finished = 0
+        self.compression = config.confkv.compression  # live: see apply_policy
+        self._compressor: CompressionWorker | None = None
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -324,10 +334,10 @@ class LLMEngine:
             self.scheduler.max_batch_size = n
 
     def live_fields(self) -> list[str]:
-        return [BATCH_FIELD, *RETENTION_FIELDS]
+        return [BATCH_FIELD, *RETENTION_FIELDS, COMPRESSION_FIELD]
 
     def capabilities(self) -> list[str]:
-        return []
+        return ["compress"]
 
     def apply_policy(self, confkv: ConfKVSection, max_batch_size: int, changed: list[str]) -> None:
         """Everything is computed and checked first, then set between two steps (all or nothing).
@@ -346,6 +356,8 @@ class LLMEngine:
                 self.scheduler.max_batch_size = max_batch_size
             if retention is not None:
                 self.retention.set_defaults(retention)
+        if any(p.startswith(COMPRESSION_FIELD) for p in changed):
+            self._set_compression(confkv.compression)
 
     # ---- conveniences ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]],
@@ -379,4 +391,53 @@ class LLMEngine:
                 prefix_cache_enabled=self.cache.prefix is not None,
                 prefix_queried_tokens=self.cache.hits.queried, prefix_hit_tokens=self.cache.hits.hit,
                 prefix_hit_ratio_window=self.cache.hits.window_ratio(),
-                kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes)
+                kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
+                kv_blocks_compressed=self.cache.num_compressed,
+                kv_bytes_compressed=self.cache.compressed_bytes)
+
+    # ---- compression (``core.compression``) -------------------------------------------------
+    def compress(self, bits: int | None = None, force: bool = False) -> CompressResult:
+        """Compress KV blocks now with ``bits`` (default: the config's). Not forced: evictable cached
+        blocks unused for coldAfterSeconds. Forced: every evictable cached block, then running
+        requests' blocks outside the recent window. Pool blocks it frees are usable at once."""
+        cfg = self.compression
+        bits = cfg.bits if bits is None else bits
+        if bits not in (8, 4):
+            raise InvalidRequest(f"compression bits must be 8 or 4, got {bits}", param="bits")
+        with self._lock, torch.inference_mode():
+            return compress_blocks(self.cache, list(self.scheduler.running), bits, cfg.group_size,
+                                   cfg.cold_after_seconds, force, limit=self.cache.pool.num_blocks * 2)
+
+    def start_compression(self) -> None:
+        """Start the background worker (compresses cold cached blocks); a no-op when compression is
+        disabled in the config, and it starts later if a live change enables it."""
+        if self._compressor is None:
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self._compressor = CompressionWorker(lambda: self._compression_pass(stream))
+        if self.compression.enabled:
+            self._compressor.start()
+
+    def stop_compression(self) -> None:
+        """Stop the background worker and wait for it (a pass in progress completes first)."""
+        if self._compressor is not None:
+            self._compressor.stop()
+            self._compressor = None
+
+    def _compression_pass(self, stream: torch.cuda.Stream | None) -> CompressResult:
+        cfg = self.compression
+        with self._lock, torch.inference_mode(), encode_stream(self.device, stream):
+            return self.cache.compress_cold(cfg.bits, cfg.group_size, cfg.cold_after_seconds, BLOCKS_PER_PASS)
+
+    def _set_compression(self, cfg: CompressionSection) -> None:
+        """Live compression settings (checked before anything changes); the worker follows ``enabled``."""
+        spec = self.cache.spec
+        try:
+            block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, cfg.bits, cfg.group_size)
+        except ValueError as err:
+            raise PolicyRejected(f"invalid policy: {err}") from None
+        self.compression = cfg
+        if self._compressor is not None:
+            if cfg.enabled:
+                self._compressor.start()
+            else:
+                self._compressor.stop()
