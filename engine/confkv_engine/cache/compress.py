@@ -16,18 +16,38 @@ holding values the codec refuses (inf, nan, beyond fp16) stays uncompressed.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
+from confkv_engine.cache.arena import CompressedStore
+from confkv_engine.cache.block_pool import BlockPool
 from confkv_engine.cache.codec import CodecSpec, encode_rows
-from confkv_engine.cache.layout import CompressResult, SeqKV
-from confkv_engine.cache.prefix import CachedBlock
-
-if TYPE_CHECKING:
-    from confkv_engine.cache.kv_cache import KVCache
+from confkv_engine.cache.eviction import LRUK
+from confkv_engine.cache.layout import CacheSpec, CompressResult, SeqKV
+from confkv_engine.cache.prefix import CachedBlock, PrefixIndex
 
 Holder = tuple[list[int], int]  # (a block table, index in it)
+
+
+class KVCache(Protocol):
+    """The parts of ``kv_cache.KVCache`` compression reads and writes (it is the only implementation)."""
+
+    spec: CacheSpec
+    pool: BlockPool
+    store: CompressedStore
+    kv: Tensor
+    pos: Tensor
+    prefix: PrefixIndex | None
+    eviction: LRUK
+    null_block: int
+    _cold: dict[bytes, float]
+    _evictable_handles: int
+
+    def _clear_positions(self, blocks: list[int]) -> None: ...
+
+    def _allocate(self, n: int) -> list[int]: ...
 
 
 def compress_cold_entries(cache: KVCache, specs: tuple[CodecSpec, CodecSpec], cold_after: float,
