@@ -103,8 +103,25 @@ class Outcome:
     policy_json: str = ""  # the engine's policy after an applied policy change
 
 
-SCALE_OUT = ("average latency stays above its threshold with smaller batches: add replicas "
-             "(ConfKVDeployment spec.replicas) or GPUs")
+_SCALE_OUT = "add replicas (ConfKVDeployment spec.replicas) or GPUs"
+#: What a recommendation says, by action and latency cause ("" when the cause is unknown).
+RECOMMENDATIONS: dict[tuple[str, str], str] = {
+    ("recommendScaleOut", "queueing"): "requests wait in the queue, and the wait is part of their latency: "
+                                       f"{_SCALE_OUT} (smaller batches would make the queue longer)",
+    ("recommendScaleOut", "preemption"): "sequences are still preempted with smaller batches: the KV cache "
+                                         f"is too small for the load; {_SCALE_OUT}",
+    ("recommendScaleOut", ""): f"latency stays above its threshold with smaller batches: {_SCALE_OUT}",
+    ("recommendPrefillTuning", "prefill"): (
+        "the queue is empty, so the first token waits for the prompt's own prefill (long prompts): put "
+        "shared text (system prompt, instructions) first so the prefix cache serves it, shorten prompts, "
+        "or serve on a faster device; a lower engine.prefillChunk (restart) shortens other requests' "
+        "decode stalls, not this first token"),
+}
+
+
+def recommendation(action: Action) -> str:
+    return RECOMMENDATIONS.get((action.name, action.cause)) or RECOMMENDATIONS.get(
+        (action.name, ""), f"{action.name}: nothing to change in the engine")
 
 
 class Applier:
@@ -115,7 +132,7 @@ class Applier:
         if action.dry_run:
             return Outcome("dry-run", f"dry run: would {action.describe()}")
         if action.kind == "record":
-            return Outcome("recommended", SCALE_OUT)
+            return Outcome("recommended", recommendation(action))
         try:
             if action.name == "compress":
                 return Outcome("applied", self.client.compress().message)

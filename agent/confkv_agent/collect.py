@@ -1,4 +1,4 @@
-"""Collect: GPU memory from NVML (``nvidia-ml-py``, optional) and the engine's status over gRPC.
+"""Collect: GPU memory from NVML (``nvidia-ml-py``) and the engine's status over gRPC.
 
 VRAM comes from NVML for every GPU this container can see (``CUDA_VISIBLE_DEVICES`` narrows the
 set when it is given); the alert uses the fullest GPU. Without NVML (no driver, no library, no
@@ -10,11 +10,12 @@ logged once when it changes and exported as the ``source`` label of the VRAM met
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from .rules import Observation
+from .rules import Buckets, Observation
 
 log = logging.getLogger("confkv.agent.collect")
 
@@ -58,7 +59,7 @@ class NvmlReader:
                 import pynvml  # nvidia-ml-py
 
                 self._nvml = pynvml
-            except ImportError:
+            except ImportError:  # a declared dependency; a trimmed image may still lack it
                 self.reason = "nvidia-ml-py is not installed"
                 return
         try:
@@ -70,6 +71,13 @@ class NvmlReader:
             return
         if self._count == 0:
             self.reason = "NVML sees no GPU"
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception as err:  # nothing to release is not a problem
+            log.debug("nvmlShutdown: %s", err)
 
     @property
     def available(self) -> bool:
@@ -107,10 +115,24 @@ def vram_reading(nvml: NvmlReader, status: Any | None) -> VramReading:
     return VramReading("none", "", None)
 
 
+def buckets(status: Any, field: str) -> Buckets | None:
+    """One latency histogram of an EngineStatus; None when the engine does not report it."""
+    if not status.HasField(field):
+        return None
+    hist = getattr(status, field)
+    bounds = tuple(hist.upper_bounds)
+    if not bounds or len(bounds) != len(hist.cumulative_counts) or not math.isinf(bounds[-1]):
+        return None  # not a Prometheus histogram: no data rather than a wrong quantile
+    return Buckets(bounds, tuple(float(c) for c in hist.cumulative_counts))
+
+
 def observation(status: Any, vram: VramReading) -> Observation:
     """The rules' input from one EngineStatus."""
     return Observation(
         vram_fraction=vram.fraction, latency_count=status.latency_count,
         latency_seconds_sum=status.latency_seconds_sum, oom_total=status.oom_total,
         prefix_cache=status.prefix_cache_enabled, prefix_queried_tokens=status.prefix_queried_tokens,
-        prefix_hit_tokens=status.prefix_hit_tokens)
+        prefix_hit_tokens=status.prefix_hit_tokens,
+        ttft=buckets(status, "time_to_first_token"), tpot=buckets(status, "time_per_output_token"),
+        e2e=buckets(status, "request_latency"), num_waiting=status.num_waiting,
+        preemptions_total=status.preemptions_total)

@@ -18,22 +18,23 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from pydantic import ValidationError
 
-from confkv_api.config import ConfigError, ConfKVConfig, dump_config, load_config_file
+from confkv_api.alerts import alerts_for_device, engine_on_cpu
+from confkv_api.config import ConfigError, ConfKVConfig, ConfKVSection, dump_config, load_config_file
+from confkv_api.merge import merge_patch
 
 from .apply import Applier, EngineClient, EngineError, split_overrides
 from .collect import NvmlReader, observation, vram_reading
-from .planner import BATCH, CACHE_SIZE, HIGH, LRU_K, MEDIUM, Action, Planner, PolicyView
-from .record import AgentMetrics, KubeRecorder, utc_iso
+from .kube import KubeRecorder
+from .logs import log_fields, utc_iso
+from .metrics import AgentMetrics
+from .planner import BATCH, CACHE_SIZE, HIGH, LRU_K, MEDIUM, Action, Planner, PolicyView, latency_cause
 from .rules import AlertEvaluator, AlertState, Transition
 
 log = logging.getLogger("confkv.agent")
 
 MAX_STEPS_PER_TICK = 8  # unavailable steps are skipped within a tick; this bounds the retries
-
-
-def _fields(logger: logging.Logger, level: int, message: str, **fields: Any) -> None:
-    logger.log(level, message, extra={"fields": fields})
 
 
 class ConfigWatcher:
@@ -87,6 +88,7 @@ class Agent:
         self.evaluator = AlertEvaluator(config.alerts)
         self.planner = Planner(config.remediation)
         self.engine_up: bool | None = None
+        self.on_cpu: bool | None = None  # the engine's device, once a status said it
         self.vram_source = ""
         self.last_tick: float | None = None
         self._failed_push: str | None = None
@@ -108,6 +110,7 @@ class Agent:
             self.last_tick = now
             return
         self._set_engine_up(True, "")
+        self._set_device(engine_on_cpu(status.device_memory.device))
         status = self._reconcile(now, status)
         self.metrics.policy_version.set(status.policy_version)
         vram = vram_reading(self.nvml, status)
@@ -134,7 +137,7 @@ class Agent:
         if new is None or dump_config(new) == dump_config(self.config):
             return
         self.config = new
-        self.evaluator.configure(new.alerts)
+        self.evaluator.configure(alerts_for_device(new.alerts, bool(self.on_cpu)))
         self.planner.configure(new.remediation)
         self._failed_push = None
         self.metrics.config_reloads.labels(result="applied").inc()
@@ -149,12 +152,30 @@ class Agent:
                 log.warning("engine control socket %s does not answer: %s", self.client.target, reason)
         self.engine_up = up
 
+    def _set_device(self, on_cpu: bool) -> None:
+        """Alert thresholds for the engine's device (a CPU keeps its own latency default)."""
+        if on_cpu == self.on_cpu:
+            return
+        self.on_cpu = on_cpu
+        alerts = alerts_for_device(self.config.alerts, on_cpu)
+        self.evaluator.configure(alerts)
+        if alerts.latency_ms != self.config.alerts.latency_ms:
+            rule = alerts.latency_ms
+            log.info("engine on CPU: latencyMs uses the CPU threshold %g ms (p95 %s; set "
+                     "alerts.latencyMs.threshold to choose another)", rule.threshold, rule.signal)
+
     # ---- policy reconciliation -------------------------------------------------------------
     def _desired(self, status: Any) -> tuple[dict[str, Any], int]:
         startup = json.loads(status.startup_policy_json)
         base = self.config.confkv.model_dump(mode="json", by_alias=True)
         patch, batch = split_overrides(self.planner.overrides())
-        confkv = _merge(base, patch or {})
+        merged = merge_patch(base, patch or {})
+        try:
+            # null in the overrides (a revert to an unset field) removes the key; validating puts the
+            # field's default back, so the document compares equal to the engine's full dump.
+            confkv = ConfKVSection.model_validate(merged).model_dump(mode="json", by_alias=True)
+        except ValidationError:
+            confkv = merged  # pushed as it is: the engine's INVALID_ARGUMENT names the problem
         return confkv, batch if batch is not None else int(startup["engine"]["maxBatchSize"])
 
     def _reconcile(self, now: float, status: Any) -> Any:
@@ -178,8 +199,8 @@ class Agent:
             log.error("engine refused the configured policy: %s", err)
             self.kube.event(now, "PolicyRejected", str(err), warning=True)
             return status
-        _fields(log, logging.INFO, f"policy pushed: version {resp.version}",
-                changed=list(resp.changed_fields), deferred=list(resp.deferred_fields))
+        log_fields(log, logging.INFO, f"policy pushed: version {resp.version}",
+                   changed=list(resp.changed_fields), deferred=list(resp.deferred_fields))
         if resp.changed_fields:
             self.kube.event(now, "PolicyUpdated", f"policy version {resp.version}: {resp.message}")
         return self.client.status()
@@ -192,9 +213,11 @@ class Agent:
                      else startup["confkv"])
         baseline = flat_baseline(base_conf, int(startup["engine"]["maxBatchSize"]))
         states = self.evaluator.states()
+        ctx = self.evaluator.latency_context()
+        causes = {"latencyMs": latency_cause(ctx.signal, ctx.mean_waiting, ctx.preemptions)}
         for _ in range(MAX_STEPS_PER_TICK):
             view = policy_view(policy, status.kv_bytes_total)
-            actions = self.planner.plan(now, states, view, baseline)
+            actions = self.planner.plan(now, states, view, baseline, causes)
             if not actions:
                 return
             retry = False
@@ -212,9 +235,9 @@ class Agent:
     def _record_transition(self, now: float, t: Transition) -> None:
         value = "no data" if t.value is None else f"{t.value:.4g}"
         rule = self.evaluator.rules[t.alert].spec
-        _fields(log, logging.WARNING if t.new is AlertState.FIRING else logging.INFO,
-                f"alert {t.alert}: {t.old.value} -> {t.new.value}", alert=t.alert, value=t.value,
-                threshold=rule.threshold)
+        log_fields(log, logging.WARNING if t.new is AlertState.FIRING else logging.INFO,
+                   f"alert {t.alert}: {t.old.value} -> {t.new.value}", alert=t.alert, value=t.value,
+                   threshold=rule.threshold)
         if t.new is AlertState.FIRING:
             self.kube.event(now, "AlertFiring", f"{t.alert} = {value} (threshold {rule.threshold:g})",
                             warning=True)
@@ -224,11 +247,13 @@ class Agent:
     def _record_remediation(self, now: float, action: Action, result: str, message: str) -> None:
         self.metrics.remediations.labels(alert=action.alert, action=action.name, result=result).inc()
         level = logging.WARNING if result == "failed" else logging.INFO
-        _fields(log, level, f"remediation {action.describe()} for {action.alert}: {result}: {message}",
-                alert=action.alert, action=action.name, result=result, overrides=action.overrides)
+        log_fields(log, level, f"remediation {action.describe()} for {action.alert}: {result}: {message}",
+                   alert=action.alert, action=action.name, result=result, overrides=action.overrides,
+                   **({"cause": action.cause} if action.cause else {}))
         reason = {"applied": "Remediated", "unavailable": "RemediationUnavailable",
                   "failed": "RemediationFailed", "dry-run": "RemediationDryRun",
-                  "recommended": "ScaleOutRecommended"}[result]
+                  "recommended": "ScaleOutRecommended" if action.name == "recommendScaleOut"
+                  else "TuningRecommended"}[result]
         if action.name == "revert" and result == "applied":
             reason = "RemediationReverted"
         self.kube.event(now, reason, f"{action.alert}: {action.describe()}: {message}",
@@ -244,16 +269,6 @@ class Agent:
                 "engine": {None: "unknown", True: "up", False: "down"}[self.engine_up],
                 "alerts": {a: s.value for a, s in self.evaluator.states().items()}}
         return not (stale and self.last_tick is not None), body
-
-
-def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def _normalised(doc: dict[str, Any]) -> str:

@@ -7,11 +7,16 @@ Reads the mounted config (a file, or the directory holding ``confkv.json``), ser
 (``engine.grpcSocket`` of the config unless ``--socket``) and runs the control loop every
 ``--interval`` (``CONFKV_AGENT_INTERVAL``, default 10s) until SIGTERM. Without ``--config`` it uses
 the default rules and takes the policy baseline from the engine itself (``confkv serve --with-agent``).
+
+Under ``confkv serve --with-agent`` (``launcher.py``) stdin is the agent's lifeline: with
+``--stdin-lifeline`` it stops when stdin closes, which happens when the engine ends however it ends;
+``--config -`` reads the engine's effective config as the first line of that stdin instead of a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -21,11 +26,13 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from confkv_api.config import ConfigError, ConfKVConfig, load_config_file, parse_duration
+from confkv_api.config import ConfigError, ConfKVConfig, load_config, load_config_file, parse_duration
 
 from .apply import EngineClient
+from .endpoint import serve_http
+from .logs import JsonFormatter, TextFormatter
 from .loop import Agent
-from .record import AgentMetrics, JsonFormatter, TextFormatter, serve_http
+from .metrics import AgentMetrics
 
 log = logging.getLogger("confkv.agent")
 EXIT_BAD_CONFIG = 2
@@ -46,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     in_pod = bool(env("POD_NAME"))
     parser = argparse.ArgumentParser(prog="confkv-agent", description="CONF-KV sidecar agent")
     add = parser.add_argument
-    add("--config", default=env("CONFKV_CONFIG"), help="confkv.json, or the directory holding it")
+    add("--config", default=env("CONFKV_CONFIG"),
+        help="confkv.json, or the directory holding it; '-' reads one JSON line from stdin")
     add("--socket", default=env("CONFKV_GRPC_SOCKET"),
         help="engine control socket (default: engine.grpcSocket of the config)")
     add("--interval", default=env("CONFKV_AGENT_INTERVAL", "10s"), help="loop interval, e.g. 10s or 0.5")
@@ -56,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add("--log-format", default=env("CONFKV_LOG_FORMAT", "json" if in_pod else "text"),
         choices=["json", "text"])
+    add("--stdin-lifeline", action="store_true",
+        help="stop when stdin closes (the process that started the agent has ended)")
     return parser
 
 
@@ -65,17 +75,47 @@ def _configure_logging(level: str, fmt: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
+def _read_config(source: str | None) -> ConfKVConfig:
+    if source != "-":
+        return load_config_file(source) if source else ConfKVConfig()
+    line = sys.stdin.buffer.readline()
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"the config on stdin is not one line of JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("the config on stdin must be a JSON object")
+    return load_config(data)
+
+
+def _watch_lifeline(stop: threading.Event) -> None:
+    """Set ``stop`` once stdin reaches EOF: nothing is written after the config line, so EOF means
+    the launcher's end of the pipe is closed (it stopped the agent, or it died)."""
+    fd = sys.stdin.fileno()
+
+    def watch() -> None:
+        # os.read, not sys.stdin: a daemon thread blocked inside a buffered reader aborts the
+        # interpreter's shutdown when the agent stops for another reason (SIGTERM).
+        while os.read(fd, 4096):
+            pass
+        log.info("the process that started this agent has ended; stopping")
+        stop.set()
+
+    threading.Thread(target=watch, name="confkv-agent-lifeline", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = load_config_file(args.config) if args.config else ConfKVConfig()
+        config = _read_config(args.config)
         interval = _seconds(args.interval)
     except (ConfigError, ValueError) as err:
         print(f"confkv-agent: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     _configure_logging(args.log_level, args.log_format)
     client = EngineClient(args.socket or config.engine.control_socket)
-    agent = Agent(config, client, config_path=args.config, metrics=AgentMetrics())
+    config_path = None if args.config == "-" else args.config  # a document on stdin is not watched
+    agent = Agent(config, client, config_path=config_path, metrics=AgentMetrics())
     try:
         http = serve_http(args.host, args.port, agent.metrics, lambda: agent.health(time.time(), interval))
     except OSError as err:
@@ -90,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.stdin_lifeline:
+        _watch_lifeline(stop)
     while not stop.is_set():
         try:
             agent.tick(time.time())

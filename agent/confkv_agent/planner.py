@@ -13,7 +13,16 @@ Playbooks (deployment guide, section 5.2, and DESIGN.md):
   hitRate    -> raiseLruK (K + 1 up to ``max_lru_k``), warmup
   vram       -> compress, lowerMaxCacheSize (-20 %), stricterThresholds
   oomPerHour -> halveBatchSize, compress
-  latencyMs  -> smallerBatches (-25 %), recommendScaleOut
+  latencyMs  -> by cause, fixed when the incident's first step is chosen (``latency_cause``):
+    preemption (sequences were preempted in the window)   -> smallerBatches, recommendScaleOut
+    decode     (time per output token; e2e, queue empty)  -> smallerBatches, recommendScaleOut
+    queueing   (requests waited in the queue: on average
+                at least half a request waiting)          -> recommendScaleOut
+    prefill    (time to first token, queue empty)         -> warmup, recommendPrefillTuning
+  A smaller batch shortens each decode step (every running sequence is in it) and causes fewer
+  preemptions, but it serves fewer requests at once: with a queue it makes the wait, and so the time
+  to first token, longer; with an empty queue the first token waits for the prompt's own prefill,
+  which the batch size does not change, and a warm prefix cache does.
 """
 
 from __future__ import annotations
@@ -26,14 +35,20 @@ from confkv_api.config import RemediationSection, parse_duration
 
 from .rules import AlertState
 
+LATENCY_PLAYBOOKS: dict[str, tuple[str, ...]] = {
+    "preemption": ("smallerBatches", "recommendScaleOut"),
+    "decode": ("smallerBatches", "recommendScaleOut"),
+    "queueing": ("recommendScaleOut",),
+    "prefill": ("warmup", "recommendPrefillTuning"),
+}
 PLAYBOOKS: dict[str, tuple[str, ...]] = {
     "oomPerHour": ("halveBatchSize", "compress"),
     "vram": ("compress", "lowerMaxCacheSize", "stricterThresholds"),
-    "latencyMs": ("smallerBatches", "recommendScaleOut"),
+    "latencyMs": LATENCY_PLAYBOOKS["decode"],  # the playbook of an unknown cause
     "hitRate": ("raiseLruK", "warmup"),
 }
 ENGINE_ACTIONS = frozenset({"compress", "warmup"})  # an RPC of their own
-RECORD_ONLY = frozenset({"recommendScaleOut"})  # a recommendation: recorded, nothing to change
+RECORD_ONLY = frozenset({"recommendScaleOut", "recommendPrefillTuning"})  # recorded, nothing to change
 REVERT = "revert"
 
 BATCH = "engine.maxBatchSize"
@@ -61,6 +76,24 @@ class PolicyView:
     kv_bytes_total: int
 
 
+#: Requests waiting, averaged over the window, from which the queue explains the latency. By Little's
+#: law the mean queue length is the arrival rate times the mean wait: at half a request the wait is a
+#: real part of the latency, while a request that waits for one scheduler step now and then stays far
+#: below it.
+QUEUE_MEAN_WAITING = 0.5
+
+
+def latency_cause(signal: str, mean_waiting: float, preemptions: float) -> str:
+    """Why the latency signal is high, from what the rule's window saw (see the module docstring)."""
+    if preemptions > 0:
+        return "preemption"
+    if signal == "tpot":
+        return "decode"
+    if mean_waiting >= QUEUE_MEAN_WAITING:
+        return "queueing"
+    return "prefill" if signal == "ttft" else "decode"
+
+
 @dataclass(frozen=True)
 class Action:
     alert: str
@@ -68,6 +101,7 @@ class Action:
     step: int  # index in the playbook; -1 for a revert
     overrides: dict[str, Any] = field(default_factory=dict)  # dotted field -> new value
     dry_run: bool = False
+    cause: str = ""  # latencyMs: the cause its playbook was chosen for
 
     @property
     def kind(self) -> str:
@@ -106,6 +140,7 @@ class _Track:
     last_action_at: float | None = None
     healthy_since: float | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    cause: str = ""  # latencyMs: the incident's cause, chosen at its first step
 
 
 class Planner:
@@ -129,17 +164,22 @@ class Planner:
 
     # ---- planning --------------------------------------------------------------------------
     def plan(self, now: float, states: Mapping[str, AlertState], view: PolicyView,
-             baseline: Mapping[str, Any]) -> list[Action]:
+             baseline: Mapping[str, Any], causes: Mapping[str, str] | None = None) -> list[Action]:
         """At most one action per alert. ``baseline``: the configured value of every dotted field a
-        policy step may override (what a revert restores when no other alert overrides it)."""
+        policy step may override (what a revert restores when no other alert overrides it).
+        ``causes``: alert -> cause (``latency_cause``) for alerts whose playbook depends on it."""
         if not self.enabled:
             return []
         actions = []
-        for alert, playbook in PLAYBOOKS.items():
+        for alert in PLAYBOOKS:
             track = self.tracks[alert]
             state = states.get(alert, AlertState.INACTIVE)
-            action = (self._next_step(now, alert, playbook, track, view) if state is AlertState.FIRING
-                      else self._maybe_revert(now, alert, state, track, baseline))
+            if state is AlertState.FIRING:
+                if track.step == 0 and track.last_action_at is None:  # a new incident
+                    track.cause = (causes or {}).get(alert, "")
+                action = self._next_step(now, alert, self.playbook(alert, track.cause), track, view)
+            else:
+                action = self._maybe_revert(now, alert, state, track, baseline)
             if action is not None:
                 actions.append(action)
         return actions
@@ -153,7 +193,7 @@ class Planner:
             name = playbook[track.step]
             change = policy_change(name, view, self.max_lru_k)
             if name in self.allowed and change is not None:
-                return Action(alert, name, track.step, change, self.dry_run)
+                return Action(alert, name, track.step, change, self.dry_run, track.cause)
             track.step += 1  # excluded, or it would change nothing: the next step
         return None
 
@@ -174,6 +214,12 @@ class Planner:
         others = self.overrides(excluding=alert)
         restore = {f: others.get(f, baseline.get(f)) for f in track.overrides}
         return Action(alert, REVERT, -1, restore, self.dry_run)
+
+    @staticmethod
+    def playbook(alert: str, cause: str = "") -> tuple[str, ...]:
+        if alert == "latencyMs" and cause in LATENCY_PLAYBOOKS:
+            return LATENCY_PLAYBOOKS[cause]
+        return PLAYBOOKS[alert]
 
     # ---- feedback --------------------------------------------------------------------------
     def record(self, now: float, action: Action, result: Result) -> None:

@@ -11,7 +11,11 @@ Values come from sliding windows over the engine's cumulative counters, like Pro
 the engine restarted, and the window starts again from that sample):
 
 - ``vram``: used fraction of device memory (a gauge: the latest sample);
-- ``latencyMs``: average end-to-end latency of the requests finished in the last ``latency`` seconds;
+- ``latencyMs``: the p95 of its ``signal`` (time to first token by default, or time per output token,
+  or end to end) over the requests finished in the last ``latency`` seconds, in ms, from the increase
+  of the engine's histogram buckets (``histogram_quantile`` of ``rate(..._bucket)``). An engine without
+  that histogram gives no data, except for ``e2e``, which falls back to the window's average latency
+  (the engine's latency count and sum);
 - ``hitRate``: prefix-cache hit tokens / queried tokens in the last ``hit_rate`` seconds;
 - ``oomPerHour``: out-of-memory errors in the last hour.
 """
@@ -22,7 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
 
-from confkv_api.config import AlertsSection, parse_duration
+from confkv_api.config import LATENCY_QUANTILE, AlertsSection, parse_duration
+from confkv_api.histograms import quantile
 
 ALERTS: tuple[str, ...] = ("vram", "latencyMs", "hitRate", "oomPerHour")
 _BELOW = frozenset({"hitRate"})
@@ -40,6 +45,7 @@ class RuleSpec:
     threshold: float
     for_seconds: float
     enabled: bool = True
+    signal: str = ""  # latencyMs only: ttft, tpot or e2e
 
     @property
     def fires_below(self) -> bool:
@@ -55,7 +61,8 @@ def rule_specs(alerts: AlertsSection) -> dict[str, RuleSpec]:
     """The four rules of an ``alerts`` section, keyed by their camelCase name."""
     fields = {"vram": alerts.vram, "latencyMs": alerts.latency_ms, "hitRate": alerts.hit_rate,
               "oomPerHour": alerts.oom_per_hour}
-    return {name: RuleSpec(name, rule.threshold, parse_duration(rule.for_), rule.enabled)
+    return {name: RuleSpec(name, rule.threshold, parse_duration(rule.for_), rule.enabled,
+                           getattr(rule, "signal", ""))
             for name, rule in fields.items()}
 
 
@@ -118,6 +125,52 @@ class CounterWindow:
 
 
 @dataclass(frozen=True)
+class Buckets:
+    """One cumulative histogram as the engine reports it (seconds; the last bound is +Inf)."""
+
+    upper_bounds: tuple[float, ...]
+    cumulative: tuple[float, ...]
+
+
+class HistogramWindow:
+    """The increase of each bucket over the window; a new set of bounds starts the window again."""
+
+    def __init__(self, span: float) -> None:
+        self._window = CounterWindow(span)
+        self._bounds: tuple[float, ...] | None = None
+
+    def add(self, now: float, buckets: Buckets | None) -> None:
+        if buckets is None:
+            return
+        if buckets.upper_bounds != self._bounds:
+            self._window = CounterWindow(self._window.span)
+            self._bounds = buckets.upper_bounds
+        self._window.add(now, *buckets.cumulative)
+
+    def quantile(self, q: float) -> float | None:
+        increase = self._window.increase()
+        if increase is None or self._bounds is None:
+            return None
+        return quantile(q, self._bounds, increase)
+
+
+class GaugeWindow:
+    """The mean of a gauge's samples in the last ``span`` seconds."""
+
+    def __init__(self, span: float) -> None:
+        self.span = span
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, value: float) -> None:
+        self._samples.append((now, value))
+        while self._samples and self._samples[0][0] < now - self.span:
+            self._samples.popleft()
+
+    def mean(self) -> float:
+        return sum(v for _, v in self._samples) / len(self._samples) if self._samples else 0.0
+
+
+@dataclass(frozen=True)
 class Observation:
     """What the collector saw at one instant (cumulative counters as the engine reports them)."""
 
@@ -128,6 +181,11 @@ class Observation:
     prefix_cache: bool = False
     prefix_queried_tokens: float = 0
     prefix_hit_tokens: float = 0
+    ttft: Buckets | None = None
+    tpot: Buckets | None = None
+    e2e: Buckets | None = None
+    num_waiting: float = 0
+    preemptions_total: float = 0
 
 
 @dataclass(frozen=True)
@@ -137,6 +195,15 @@ class WindowSpans:
     oom: float = 3600.0
 
 
+@dataclass(frozen=True)
+class LatencyContext:
+    """What the latency rule's window saw besides the signal: the cause of a breach (planner)."""
+
+    signal: str
+    mean_waiting: float  # requests waiting in the queue, averaged over the window's samples
+    preemptions: float  # sequences preempted (their KV recomputed later)
+
+
 class AlertEvaluator:
     """All rules, their windows and their states."""
 
@@ -144,26 +211,47 @@ class AlertEvaluator:
         spans = spans or WindowSpans()
         self.rules = {name: Rule(spec) for name, spec in rule_specs(alerts).items()}
         self._latency = CounterWindow(spans.latency)
+        self._signals = {s: HistogramWindow(spans.latency) for s in ("ttft", "tpot", "e2e")}
+        self._waiting = GaugeWindow(spans.latency)
+        self._preemptions = CounterWindow(spans.latency)
         self._hits = CounterWindow(spans.hit_rate)
         self._oom = CounterWindow(spans.oom)
 
     def configure(self, alerts: AlertsSection) -> None:
-        """New thresholds, ``for`` durations or enablement; states and windows carry over."""
+        """New thresholds, ``for`` durations, signal or enablement; states and windows carry over."""
         for name, spec in rule_specs(alerts).items():
             self.rules[name].spec = spec
 
+    def _latency_ms(self, signal: str) -> float | None:
+        p95 = self._signals[signal].quantile(LATENCY_QUANTILE)
+        if p95 is not None:
+            return p95 * 1000.0
+        window = self._latency.increase()
+        if signal == "e2e" and window and window[0] > 0:  # an engine without the e2e histogram
+            return window[1] / window[0] * 1000.0
+        return None
+
     def values(self, now: float, obs: Observation) -> dict[str, float | None]:
         self._latency.add(now, obs.latency_count, obs.latency_seconds_sum)
+        for signal, buckets in (("ttft", obs.ttft), ("tpot", obs.tpot), ("e2e", obs.e2e)):
+            self._signals[signal].add(now, buckets)
+        self._waiting.add(now, obs.num_waiting)
+        self._preemptions.add(now, obs.preemptions_total)
         self._oom.add(now, obs.oom_total)
         if obs.prefix_cache:
             self._hits.add(now, obs.prefix_queried_tokens, obs.prefix_hit_tokens)
-        latency, hits, oom = self._latency.increase(), self._hits.increase(), self._oom.increase()
+        hits, oom = self._hits.increase(), self._oom.increase()
         return {
             "vram": obs.vram_fraction,
-            "latencyMs": latency[1] / latency[0] * 1000.0 if latency and latency[0] > 0 else None,
+            "latencyMs": self._latency_ms(self.rules["latencyMs"].spec.signal or "ttft"),
             "hitRate": hits[1] / hits[0] if obs.prefix_cache and hits and hits[0] > 0 else None,
             "oomPerHour": oom[0] if oom is not None else None,
         }
+
+    def latency_context(self) -> LatencyContext:
+        preempted = self._preemptions.increase()
+        return LatencyContext(self.rules["latencyMs"].spec.signal or "ttft", self._waiting.mean(),
+                              preempted[0] if preempted else 0.0)
 
     def evaluate(self, now: float, obs: Observation) -> list[Transition]:
         values = self.values(now, obs)

@@ -23,6 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from confkv_api.control_socket import check_socket_address, default_control_socket
+
 BUILTIN_MODEL = "builtin:smollm2-135m"
 
 _SIZE_UNITS = {
@@ -108,9 +110,14 @@ class EngineSection(_Model):
 
     @property
     def control_socket(self) -> str:
-        """The gRPC control socket: ``grpcSocket``, else one per port, so two local servers (and
-        their agents) never share a socket."""
-        return self.grpc_socket or f"/tmp/confkv/engine-{self.port}.sock"
+        """The gRPC control socket: ``grpcSocket``, else one per port in the user's private
+        directory (``control_socket.py``)."""
+        return self.grpc_socket or default_control_socket(self.port)
+
+    @field_validator("grpc_socket")
+    @classmethod
+    def _unix_socket_only(cls, value: str | None) -> str | None:
+        return None if value is None else check_socket_address(value)
 
     @model_validator(mode="after")
     def _chunk_fits_budget(self) -> EngineSection:
@@ -153,6 +160,12 @@ class PrefixCacheSection(_Model):
     enabled: bool = True
 
 
+class WarmupSection(_Model):
+    """Prompts prefilled into the prefix cache at start-up, before readiness turns true."""
+
+    prompts: list[str] = Field(default_factory=list, max_length=256)
+
+
 class CompressionSection(_Model):
     enabled: bool = True
     bits: Literal[8, 4] = 8
@@ -172,6 +185,7 @@ class ConfKVSection(_Model):
     budget_mode: Literal["always", "pressure"] = "always"
     eviction: EvictionSection = EvictionSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
+    warmup: WarmupSection = WarmupSection()
     max_cache_size: str | None = None
     compression: CompressionSection = CompressionSection()
 
@@ -201,23 +215,37 @@ class AlertRule(_Model):
         return value
 
 
-def _rule(threshold: float, for_: str) -> Any:
-    return Field(default_factory=lambda: AlertRule(threshold=threshold, **{"for": for_}))
+LatencySignal = Literal["ttft", "tpot", "e2e"]
+#: The quantile of the latency signal the rule compares (agent and PrometheusRule alike).
+LATENCY_QUANTILE = 0.95
+
+
+class LatencyRule(AlertRule):
+    """``latencyMs``: the p95 (over the rule's window) of ``signal``, in milliseconds. ``ttft``: time to
+    first token; ``tpot``: time per output token; ``e2e``: arrival to finish, which grows with the
+    answer's length (so a long answer alone fires it: meant for fixed-length batch work)."""
+
+    signal: LatencySignal = "ttft"
+
+
+def _rule(threshold: float, for_: str, kind: type[AlertRule] = AlertRule) -> Any:
+    return Field(default_factory=lambda: kind(threshold=threshold, **{"for": for_}))
 
 
 class AlertsSection(_Model):
-    """The four rules of the deployment guide. vram: used fraction; latencyMs: average request
-    latency in ms; hitRate: prefix-cache hit fraction (fires when below); oomPerHour: count."""
+    """The four rules of the deployment guide. vram: used fraction; latencyMs: p95 time to first token
+    (or per output token, or end to end: ``signal``) in ms; hitRate: prefix-cache hit fraction (fires
+    when below); oomPerHour: count."""
 
     vram: AlertRule = _rule(0.85, "5m")
-    latency_ms: AlertRule = _rule(500.0, "1m")
+    latency_ms: LatencyRule = _rule(500.0, "1m", LatencyRule)
     hit_rate: AlertRule = _rule(0.70, "5m")
     oom_per_hour: AlertRule = _rule(3.0, "0s")
 
 
 RemediationAction = Literal[
     "raiseLruK", "warmup", "compress", "lowerMaxCacheSize", "stricterThresholds",
-    "halveBatchSize", "smallerBatches", "recommendScaleOut",
+    "halveBatchSize", "smallerBatches", "recommendScaleOut", "recommendPrefillTuning",
 ]
 ALL_ACTIONS: tuple[str, ...] = RemediationAction.__args__  # type: ignore[attr-defined]
 

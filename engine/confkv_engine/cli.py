@@ -40,6 +40,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "max_waiting": ("engine", "max_waiting"),
     "api_key": ("engine", "api_key"),
     "grpc_socket": ("engine", "grpc_socket"),
+    "cache_dir": ("engine", "cache_dir"),
     "max_cache_size": ("confkv", "max_cache_size"),
     "kv_policy": ("confkv", "kv_policy"),
     "kv_budget": ("confkv", "budget"),
@@ -73,11 +74,15 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
         help="KV pool size: bytes ('512Mi', '2G') or a fraction of device memory ('80%%')")
     add("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (env CONFKV_API_KEY)")
     add("--grpc-socket", metavar="PATH",
-        help="Unix socket of the gRPC control plane (default /tmp/confkv/engine-PORT.sock)")
+        help="absolute path of the gRPC control plane's Unix socket (default engine-PORT.sock in "
+             "$XDG_RUNTIME_DIR/confkv, else ~/.cache/confkv)")
     add("--threads", type=int, help="torch CPU threads (env CONFKV_THREADS; default: all cores)")
     add("--kv-policy", choices=["full", "streaming", "h2o", "conf-kv"], help="KV retention policy")
     add("--kv-budget", type=float, metavar="F", help="per-sequence KV budget, fraction of the full cache")
     add("--kv-budget-tokens", type=int, metavar="N", help="per-sequence KV budget in tokens")
+    add("--no-prefix-cache", action="store_true", help="do not share KV blocks of common prefixes")
+    add("--cache-dir", metavar="DIR",
+        help="directory (NVMe) for evicted prefix blocks and their index, rebuilt at start-up")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -109,6 +114,8 @@ def build_config(args: argparse.Namespace) -> ConfKVConfig:
             problems = "; ".join(f"{section}.{'.'.join(map(str, e['loc'])) or '<section>'}: {e['msg']}"
                                  for e in err.errors())
             raise ConfigError(f"invalid command-line flags: {problems}") from None
+    if getattr(args, "no_prefix_cache", False):
+        config = with_overrides(config, "confkv", prefix_cache={"enabled": False})
     if config.confkv.budget is not None and config.confkv.budget_tokens is not None:
         raise ConfigError("set at most one of --kv-budget and --kv-budget-tokens")
     return config
@@ -147,10 +154,12 @@ def serve(args: argparse.Namespace) -> int:
     from confkv_engine.server import run_server
 
     agent = _start_agent(args, config) if getattr(args, "with_agent", False) else None
-    status = run_server(config, log_level=args.log_level,
-                        on_loaded=_announce(config.engine.host, config.engine.port))
-    if agent is not None:
-        agent.stop()
+    try:
+        status = run_server(config, log_level=args.log_level,
+                            on_loaded=_announce(config.engine.host, config.engine.port))
+    finally:  # uvicorn exits through SystemExit when it cannot bind the port
+        if agent is not None:
+            agent.stop()
     # Requests are drained and the engine thread is stopped; interpreter teardown (freeing the
     # model, torch's state) adds seconds to every pod termination and has nothing left to save.
     sys.stdout.flush()
@@ -161,20 +170,16 @@ def serve(args: argparse.Namespace) -> int:
 
 def _start_agent(args: argparse.Namespace, config: ConfKVConfig) -> AgentProcess:
     """``--with-agent``: the agent gets the user's config file (live edits reach the engine), or, when
-    flags changed the policy, a snapshot of the effective config (the file would undo the flags)."""
-    import tempfile
-
+    flags changed the policy (the file would undo them) or there is no file, the effective config as
+    a document on its stdin: nothing is written to disk, so nothing is left behind by a killed engine."""
     from confkv_agent.launcher import AgentProcess  # noqa: F811 - the runtime import of the hint
 
-    path = args.config
-    if path is None or any(getattr(args, d, None) is not None for d, (s, _) in _OVERRIDES.items()
-                           if s == "confkv"):
-        snapshot = tempfile.NamedTemporaryFile("w", suffix="-confkv.json", delete=False)  # noqa: SIM115
-        with snapshot:
-            json.dump(dump_config(config), snapshot)
-        path = snapshot.name
-    return AgentProcess(config.engine.control_socket, config_path=path,
-                        remove_on_stop=None if path == args.config else path)
+    socket = config.engine.control_socket
+    policy_flags = any(getattr(args, dest, None) is not None
+                       for dest, (section, _) in _OVERRIDES.items() if section == "confkv")
+    if args.config is not None and not policy_flags:
+        return AgentProcess(socket, config_path=args.config)
+    return AgentProcess(socket, config_json=json.dumps(dump_config(config)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

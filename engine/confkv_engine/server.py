@@ -14,19 +14,38 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.async_engine import AsyncEngine
 from confkv_engine.core.control_api import EngineControlTarget
+from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.http.app import APIError, create_app
 from confkv_engine.http.metrics import EngineMetrics
 from confkv_engine.http.serving import OpenAIServing
 
+if TYPE_CHECKING:
+    from confkv_engine.core.engine import LLMEngine
+
 log = logging.getLogger("confkv.server")
+
+WARMUP_TIMEOUT = 600.0  # seconds a warm-up may take before the caller gets an error
+
+
+async def _prefill_all(engine: AsyncEngine, prompts: list[list[int]]) -> None:
+    """Run each prompt for one greedy token, so its full blocks land in the prefix cache."""
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    async def one(ids: list[int]) -> None:
+        async for _ in engine.generate(f"warmup-{uuid.uuid4().hex}", ids, params):
+            pass
+
+    await asyncio.gather(*(one(ids) for ids in prompts))
 
 
 class ServerState:
@@ -46,6 +65,10 @@ class ServerState:
         self.loaded_event = threading.Event()
         self.drain_timeout: float | None = None
         self._loader: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._core: LLMEngine | None = None
+        self._async: AsyncEngine | None = None
+        self._tokenizer: Any = None
         from confkv_engine.control.servicer import ControlPlane  # grpc: imported only by a serving process
 
         self.control = ControlPlane(config)
@@ -68,6 +91,10 @@ class ServerState:
             vocab = getattr(loaded.args, "vocab_size", 1 << 31)
             self.metrics.attach_engine(engine.stats, str(loaded.device))
             engine.start()
+            self._core, self._async, self._tokenizer = core, engine, loaded.tokenizer
+            if cfg.confkv.warmup.prompts:  # before readiness: the first users already hit the cache
+                ran, cached = self.warm(list(cfg.confkv.warmup.prompts), 0)
+                log.info("warm-up: %d prompt(s) prefilled, %d blocks cached", ran, cached)
             self._attach_control(core, engine, str(loaded.device))
             self.serving = OpenAIServing(engine, loaded.tokenizer, self.model_name,
                                          loaded.max_model_len, vocab)
@@ -84,14 +111,30 @@ class ServerState:
 
     def _attach_control(self, core: EngineControlTarget, engine: AsyncEngine, device: str) -> None:
         try:
-            self.control.attach(core, engine.stats, self.metrics.registry, device, self.model_name)
+            self.control.attach(core, engine.stats, self.metrics.registry, device, self.model_name,
+                                warmup=self.warm)
         except Exception:  # the HTTP API keeps serving without the control plane
             log.exception("gRPC control plane could not attach to the engine")
 
+    def warm(self, prompts: list[str], top_k: int) -> tuple[int, int]:
+        """Prefill ``prompts`` (none: the top-k hot prefixes the disk tier remembers) into the prefix
+        cache through the running engine and wait for them; returns (prompts run, blocks cached).
+        Called from the control plane's threads and from the loader (start-up warm-up)."""
+        core, engine, tokenizer = self._core, self._async, self._tokenizer
+        if core is None or engine is None or tokenizer is None or self._loop is None:
+            raise ValueError("the engine is not running yet")
+        ids = [tokenizer.encode(p) for p in prompts if p] if prompts else core.hot_prefixes(top_k)
+        ids = [i[: core.max_model_len - 1] for i in ids if i]
+        if ids:
+            asyncio.run_coroutine_threadsafe(_prefill_all(engine, ids), self._loop).result(WARMUP_TIMEOUT)
+        return len(ids), core.cache.num_cached_blocks // 2
+
     async def startup(self) -> None:
-        """gRPC on the shared Unix socket (UNAVAILABLE until the engine attaches), then the model load."""
+        """gRPC on the shared Unix socket (started by ``run_server`` before the port opens; a no-op then;
+        UNAVAILABLE until the engine attaches), then the model load."""
         self.control.start()
-        self._loader = asyncio.get_running_loop().run_in_executor(None, self.load)
+        self._loop = asyncio.get_running_loop()
+        self._loader = self._loop.run_in_executor(None, self.load)
 
     async def shutdown(self) -> None:
         self.begin_drain()
@@ -100,6 +143,8 @@ class ServerState:
             await self._loader  # a load still running finishes first, so the engine thread stops cleanly
         if self.engine is not None:
             await self.engine.drain_and_stop(self.drain_timeout)
+        if self._core is not None:
+            self._core.close()
         self.control.stop()
         log.info("engine stopped")
 
@@ -148,13 +193,21 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(config: ConfKVConfig, log_level: str = "info",
                on_loaded: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit status (1 when the model failed to load)."""
+    """Serve until SIGTERM/SIGINT; returns the process exit status (1 when the model failed to load or
+    the control plane cannot start)."""
     holder: dict[str, DrainingServer] = {}
 
     def stop() -> None:
         holder["server"].should_exit = True
 
     state = ServerState(config, on_load_failed=stop)
+    from confkv_engine.control.servicer import ControlPlaneError
+
+    try:
+        state.control.start()  # before the port opens: no engine serves without its control plane
+    except ControlPlaneError as err:
+        log.error("exiting: gRPC control plane not started: %s", err)
+        return 1
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=config.engine.host, port=config.engine.port, log_level=log_level,
                                access_log=log_level == "debug", lifespan="on")

@@ -107,7 +107,8 @@ def build_children(name: str, namespace: str, spec: DeploymentSpec, settings: Op
     if "ServiceMonitor" in monitoring:
         children.append(build_service_monitor(name))
     if "PrometheusRule" in monitoring:
-        rule = build_prometheus_rule(name, spec.alerts)
+        on_cpu = spec.engine.device == "cpu" or spec.resources.gpus_per_pod == 0
+        rule = build_prometheus_rule(name, spec.alerts, on_cpu=on_cpu)
         rule["metadata"].setdefault("labels", {}).update(n.common_labels(name))
         children.append(rule)
     return children

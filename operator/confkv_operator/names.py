@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-GROUP = "confkv.io"
-VERSION = "v1alpha1"
-PLURAL = "confkvdeployments"
-KIND = "ConfKVDeployment"
+# The CR's identity and the agent's annotation are shared with the agent (re-exported here).
+from confkv_api.resources import CR_GROUP as GROUP  # noqa: F401
+from confkv_api.resources import CR_KIND as KIND  # noqa: F401
+from confkv_api.resources import CR_PLURAL as PLURAL  # noqa: F401
+from confkv_api.resources import CR_VERSION as VERSION  # noqa: F401
+from confkv_api.resources import LAST_REMEDIATION_ANNOTATION  # noqa: F401
+
 MANAGED_BY = "confkv-operator"
 
-#: Written by the agent on its pod: JSON {"time", "alert", "action", "result", "message"}.
-LAST_REMEDIATION_ANNOTATION = "confkv.io/last-remediation"
 #: On the pod template: hash of the restart-only fields (model, engine) that live only in confkv.json.
 RESTART_CHECKSUM_ANNOTATION = "confkv.io/restart-checksum"
 #: Kopf progress and diff-base storage prefix on the CR.

@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -23,6 +25,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_for(check: Callable[[], Any], what: str, deadline_s: float = 60.0, log: Callable[[], str] = str,
+             errors: tuple[type[BaseException], ...] = (httpx.TransportError,)) -> Any:
+    """Poll ``check`` until it returns something truthy; TimeoutError with the last answer and ``log()``."""
+    deadline = time.monotonic() + deadline_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except errors as err:
+            last = err
+        else:
+            if last:
+                return last
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not seen within {deadline_s}s (last: {last!r})\n{log()}")
+
+
 def _confkv_command() -> list[str]:
     script = Path(sys.executable).with_name("confkv")
     return [str(script)] if script.exists() else [sys.executable, "-m", "confkv_engine.cli"]
@@ -31,8 +50,9 @@ def _confkv_command() -> list[str]:
 class EngineServer:
     """One ``confkv serve`` process; its output goes to a log file (a full pipe would block it)."""
 
-    def __init__(self, log_dir: Path, *flags: str, api_key: str | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, log_dir: Path, *flags: str, api_key: str | None = None, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_dir / f"confkv-{self.port}.log"
@@ -40,8 +60,8 @@ class EngineServer:
                "--port", str(self.port), *flags]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "CONFKV_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "CONFKV_THREADS": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop(); a restart appends
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     @property

@@ -10,11 +10,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import engine_server
 import grpc
 import httpx
 import pytest
@@ -28,26 +28,16 @@ pytestmark = pytest.mark.timeout(600)
 START_BATCH = 8
 CONFIG: dict[str, Any] = {
     "engine": {"maxBatchSize": START_BATCH},
-    # Every finished request is "slow": the latency rule fires as soon as two have finished.
-    "alerts": {"latencyMs": {"threshold": 1, "for": "0s"}},
+    # Every finished request is "slow" end to end: the latency rule fires as soon as two have finished,
+    # and with an empty queue its remedy is smaller batches.
+    "alerts": {"latencyMs": {"threshold": 1, "for": "0s", "signal": "e2e"}},
     "remediation": {"cooldown": "1h", "allowedActions": ["smallerBatches", "compress"]},
 }
 
 
 def wait_for(check: Callable[[], Any], what: str, deadline_s: float = 60.0,
              log: Callable[[], str] = str) -> Any:
-    deadline = time.monotonic() + deadline_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (grpc.RpcError, httpx.TransportError) as err:
-            last = err
-        else:
-            if last:
-                return last
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not seen within {deadline_s}s (last: {last!r})\n{log()}")
+    return engine_server.wait_for(check, what, deadline_s, log, errors=(grpc.RpcError, httpx.TransportError))
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +120,15 @@ def test_update_policy_valid_then_invalid(stub: pb_grpc.EngineControlStub) -> No
 
 
 def test_missing_capabilities_answer_failed_precondition(stub: pb_grpc.EngineControlStub) -> None:
-    calls = ((stub.Compress, pb.CompressRequest(force=True)), (stub.RebuildIndex, pb.RebuildIndexRequest()),
-             (stub.Warmup, pb.WarmupRequest()))
-    for method, request in calls:
+    calls = ((stub.Compress, pb.CompressRequest(force=True), "missing"),
+             (stub.RebuildIndex, pb.RebuildIndexRequest(), "engine.cacheDir"))  # started without one
+    for method, request, word in calls:
         with pytest.raises(grpc.RpcError) as err:
             method(request, timeout=5)
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert "missing" in err.value.details()
+        assert word in err.value.details()
+    # No prompts and no disk tier remembering hot prefixes: nothing to do, and it says so.
+    assert "nothing to warm up" in stub.Warmup(pb.WarmupRequest(), timeout=30).message
 
 
 def test_watch_status_streams(stub: pb_grpc.EngineControlStub) -> None:

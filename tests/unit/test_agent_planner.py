@@ -135,3 +135,58 @@ def test_failed_actions_are_retried_after_the_cooldown() -> None:
     p.record(0, a, "failed")
     assert p.plan(59, {"latencyMs": F}, VIEW, BASE) == []
     assert p.plan(60, {"latencyMs": F}, VIEW, BASE)[0].name == "smallerBatches"
+
+
+def test_latency_cause_follows_the_signal_the_queue_and_preemptions() -> None:
+    from confkv_agent.planner import latency_cause
+
+    assert latency_cause("ttft", mean_waiting=0, preemptions=0) == "prefill"
+    assert latency_cause("ttft", mean_waiting=3, preemptions=0) == "queueing"
+    assert latency_cause("ttft", mean_waiting=0.1, preemptions=0) == "prefill"  # a step's wait now and then
+    assert latency_cause("e2e", mean_waiting=3, preemptions=0) == "queueing"
+    assert latency_cause("e2e", mean_waiting=0, preemptions=0) == "decode"
+    assert latency_cause("tpot", mean_waiting=3, preemptions=0) == "decode"
+    assert latency_cause("ttft", mean_waiting=3, preemptions=2) == "preemption"
+
+
+def _incident(p: Planner, cause: str, results: list[str]) -> list[str]:
+    """The steps proposed while latencyMs fires, one cooldown apart, fed the given results."""
+    steps = []
+    for i, result in enumerate(results):
+        actions = p.plan(60.0 * i, {"latencyMs": F}, VIEW, BASE, {"latencyMs": cause})
+        if not actions:
+            break
+        steps.append(actions[0].describe())
+        p.record(60.0 * i, actions[0], result)  # type: ignore[arg-type]
+    return steps
+
+
+def test_a_queue_gets_a_scale_out_recommendation_not_smaller_batches() -> None:
+    p = _planner()
+    assert _incident(p, "queueing", ["recommended", "recommended"]) == ["recommendScaleOut"]
+    assert p.overrides() == {}
+
+
+def test_an_empty_queue_warms_the_prefix_cache_then_names_the_long_prompts() -> None:
+    p = _planner()
+    first = p.plan(0, {"latencyMs": F}, VIEW, BASE, {"latencyMs": "prefill"})
+    assert _names(first) == [("latencyMs", "warmup")] and first[0].cause == "prefill"
+    p.record(0, first[0], "unavailable")  # no prefix cache: the next step at once
+    second = p.plan(0, {"latencyMs": F}, VIEW, BASE, {"latencyMs": "prefill"})
+    assert _names(second) == [("latencyMs", "recommendPrefillTuning")]
+    assert p.overrides() == {}
+
+
+def test_the_cause_is_fixed_for_the_whole_incident_and_chosen_again_for_the_next() -> None:
+    p = _planner()
+    a = p.plan(0, {"latencyMs": F}, VIEW, BASE, {"latencyMs": "decode"})
+    assert a[0].name == "smallerBatches"
+    p.record(0, a[0], "applied")
+    b = p.plan(60, {"latencyMs": F}, VIEW, BASE, {"latencyMs": "queueing"})
+    assert _names(b) == [("latencyMs", "recommendScaleOut")] and b[0].cause == "decode"
+    p.record(60, b[0], "recommended")
+    p.plan(100, {"latencyMs": OK}, VIEW, BASE)
+    revert = p.plan(160, {"latencyMs": OK}, VIEW, BASE)
+    p.record(160, revert[0], "applied")
+    again = p.plan(200, {"latencyMs": F}, VIEW, BASE, {"latencyMs": "prefill"})
+    assert _names(again) == [("latencyMs", "warmup")]

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from confkv_agent.collect import NvmlReader, vram_reading
-from confkv_agent.record import LAST_REMEDIATION_ANNOTATION, JsonFormatter, KubeRecorder, utc_iso
+from confkv_agent.kube import KubeRecorder
+from confkv_agent.logs import JsonFormatter, utc_iso
+from confkv_api.resources import LAST_REMEDIATION_ANNOTATION
 from confkv_api.v1 import control_pb2 as pb
-from confkv_operator.names import LAST_REMEDIATION_ANNOTATION as OPERATOR_READS
 from confkv_operator.rbac import AGENT_RULES, expand
 from confkv_operator.status import last_remediation
 from tests.k8s_emulator import KubeEmulator, crd_manifest
@@ -53,7 +54,6 @@ def test_events_and_annotation_reach_the_cluster_within_the_agent_role(cluster: 
     # The operator's status code reads what the agent wrote.
     assert last_remediation([pod]) == {**record, "pod": "demo-abc"}
     assert cluster.rbac_usage() <= expand(AGENT_RULES)
-    assert LAST_REMEDIATION_ANNOTATION == OPERATOR_READS
 
 
 def test_recording_is_off_outside_a_pod_and_never_raises() -> None:
@@ -71,12 +71,16 @@ def test_annotation_times_sort_in_time_order() -> None:
 class FakeNvml:
     """The part of pynvml the collector calls."""
 
-    def __init__(self, mem: list[tuple[int, int]], fail_init: bool = False) -> None:
+    def __init__(self, mem: list[tuple[int, int]], fail_init: Exception | None = None) -> None:
         self.mem, self.fail_init = mem, fail_init
+        self.shutdowns = 0
 
     def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
-        if self.fail_init:
-            raise RuntimeError("NVML Shared Library Not Found")
+        if self.fail_init is not None:
+            raise self.fail_init
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self.shutdowns += 1
 
     def nvmlDeviceGetCount(self) -> int:  # noqa: N802
         return len(self.mem)
@@ -106,7 +110,7 @@ def test_nvml_uses_the_fullest_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_without_nvml_the_engine_report_is_used_and_said(caplog: pytest.LogCaptureFixture) -> None:
-    nvml = NvmlReader(FakeNvml([], fail_init=True))
+    nvml = NvmlReader(FakeNvml([], fail_init=RuntimeError("NVML Shared Library Not Found")))
     assert not nvml.available and "NVML unavailable" in nvml.reason
     reading = vram_reading(nvml, _status(25, 100, "cuda:0"))
     assert (reading.source, reading.device, reading.fraction) == ("engine", "cuda:0", 0.25)
@@ -118,3 +122,32 @@ def test_json_logs_carry_structured_fields() -> None:
     record.fields = {"alert": "vram", "result": "applied"}
     doc = json.loads(JsonFormatter().format(record))
     assert doc["message"] == "remediation x" and doc["alert"] == "vram" and doc["level"] == "info"
+
+
+def test_nvml_is_a_declared_dependency_and_off_cleanly_without_a_gpu() -> None:
+    """pynvml's own errors (no library, no driver) and a driver that sees no GPU all turn NVML off with
+    a reason; the agent then reads the engine's report, and ``read`` never raises."""
+    import pynvml  # nvidia-ml-py: a main dependency, importable everywhere
+
+    for code, words in ((pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, "Library Not Found"),
+                        (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, "Driver Not Loaded")):
+        nvml = NvmlReader(FakeNvml([], fail_init=pynvml.NVMLError(code)))
+        assert not nvml.available and words in nvml.reason and nvml.read() == ()
+    no_gpu = FakeNvml([])
+    nvml = NvmlReader(no_gpu)
+    assert not nvml.available and nvml.reason == "NVML sees no GPU" and no_gpu.shutdowns == 1
+    reading = vram_reading(nvml, _status(3, 4))
+    assert (reading.source, reading.device, reading.fraction) == ("engine", "cpu", 0.75)
+
+
+def test_a_failing_nvml_read_falls_back_to_the_engine_report() -> None:
+    fake = FakeNvml([(10, 100)])
+    nvml = NvmlReader(fake)
+    assert nvml.available
+
+    def lost(handle: int) -> Any:
+        raise RuntimeError("GPU is lost")
+
+    fake.nvmlDeviceGetMemoryInfo = lost  # type: ignore[method-assign]
+    reading = vram_reading(nvml, _status(1, 4, "cuda:0"))
+    assert (reading.source, reading.fraction) == ("engine", 0.25)

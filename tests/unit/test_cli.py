@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from confkv_api.config import ConfigError
@@ -74,3 +76,27 @@ def test_version_and_usage_errors() -> None:
     bad = subprocess.run([sys.executable, "-m", "confkv_engine.cli", "serve", "--dtype", "int3"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--dtype" in bad.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_engine_and_its_agent_exit_when_the_control_plane_cannot_start(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 4242, 4242)  # another user's directory
+    sock = str(theirs / "e.sock")
+    env = {**os.environ, "CONFKV_AGENT_PORT": str(_free_port())}
+    # A model path that does not exist: the engine must stop before it would even try to load it.
+    out = subprocess.run([sys.executable, "-m", "confkv_engine.cli", "serve", "--model", str(tmp_path / "m"),
+                          "--port", str(_free_port()), "--grpc-socket", sock, "--with-agent"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "control plane not started" in out.stderr and "owned by uid 4242" in out.stderr
+    assert str(tmp_path / "m") not in out.stderr  # refused before the model load started
+    left = [p for p in psutil.process_iter(["cmdline"]) if sock in (p.info["cmdline"] or [])]
+    assert left == []  # the agent went with the engine

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from confkv_agent.apply import EngineClient, EngineError
+from confkv_agent.kube import KubeRecorder
 from confkv_agent.loop import Agent
-from confkv_agent.record import LAST_REMEDIATION_ANNOTATION, KubeRecorder
 from confkv_api.config import load_config
 from confkv_engine.control.policy import PolicyInvalid, PolicyNotLive, PolicyStore
 from confkv_engine.control.servicer import ControlPlane, ControlPlaneError, socket_path
@@ -30,6 +30,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.scheduler = SimpleNamespace(max_batch_size=8)
         self.oom = 0
+        self.waiting = 2
 
     def live_fields(self) -> list[str]:
         return [BATCH_FIELD]
@@ -46,7 +47,7 @@ class FakeEngine:
             self.scheduler.max_batch_size = max_batch_size
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=1, num_waiting=2, num_total_blocks=100, num_free_blocks=60,
+        return EngineStats(num_running=1, num_waiting=self.waiting, num_total_blocks=100, num_free_blocks=60,
                            block_size=16,
                            kv_bytes_used=4000, kv_bytes_total=10000, kv_bytes_full=4000, kv_bytes_key_only=0,
                            num_preemptions=3, num_oom=self.oom, prompt_tokens_total=50,
@@ -67,7 +68,7 @@ class FakeLatency:
 def plane(tmp_path: Path) -> Iterator[tuple[ControlPlane, FakeEngine, FakeLatency, str]]:
     sock = str(tmp_path / "engine.sock")
     cp = ControlPlane(load_config({"engine": {"grpcSocket": sock, "maxBatchSize": 8}}))
-    assert cp.start()
+    cp.start()
     engine, latency = FakeEngine(), FakeLatency()
     cp.attach(engine, engine.stats, latency, "cpu", "tiny")
     try:
@@ -135,7 +136,8 @@ def test_socket_paths_are_unix_only_and_single_owner(plane: Any, tmp_path: Path)
         with pytest.raises(ControlPlaneError):
             socket_path(bad)
     # A second engine on a live socket does not steal it.
-    assert not ControlPlane(load_config({"engine": {"grpcSocket": sock}})).start()
+    with pytest.raises(ControlPlaneError, match="another process is serving"):
+        ControlPlane(load_config({"engine": {"grpcSocket": sock}})).start()
     assert EngineClient(sock).status().model == "tiny"
 
 
@@ -155,7 +157,11 @@ def test_policy_store_rejects_and_keeps_state() -> None:
 def test_agent_applies_smaller_batches_and_reverts_after_health(plane: Any, tmp_path: Path) -> None:
     cp, engine, latency, sock = plane
     cfg_path = tmp_path / "confkv.json"
-    doc = {"engine": {"grpcSocket": sock}, "alerts": {"latencyMs": {"threshold": 100, "for": "0s"}},
+    # End-to-end latency (the stand-in keeps no histograms: the window average) with an empty queue:
+    # the answers' length, which smaller batches shorten.
+    engine.waiting = 0
+    doc = {"engine": {"grpcSocket": sock},
+           "alerts": {"latencyMs": {"threshold": 100, "for": "0s", "signal": "e2e"}},
            "remediation": {"cooldown": "30s", "allowedActions": ["smallerBatches", "compress"]}}
     cfg_path.write_text(json.dumps(doc))
     agent = Agent(load_config(doc), EngineClient(sock), config_path=str(cfg_path), kube=KubeRecorder({}))
@@ -181,12 +187,6 @@ def test_agent_applies_smaller_batches_and_reverts_after_health(plane: Any, tmp_
     assert agent.metrics.registry.get_sample_value("confkv_agent_policy_version") == status.policy_version
 
 
-def test_the_agent_writes_the_annotation_the_operator_reads() -> None:
-    from confkv_operator.names import LAST_REMEDIATION_ANNOTATION as OPERATOR_READS
-
-    assert LAST_REMEDIATION_ANNOTATION == OPERATOR_READS
-
-
 def test_retention_settings_are_live_in_a_real_engine(tmp_path: Path) -> None:
     import torch
 
@@ -209,8 +209,10 @@ def test_retention_settings_are_live_in_a_real_engine(tmp_path: Path) -> None:
     with pytest.raises(PolicyInvalid, match="prefill chunk"):
         cp.store.update({"window": 32}, max_batch_size=2)
     assert engine.max_batch_size == 4 and engine.retention.defaults.tiers.window == 64
+    change = cp.store.update({"eviction": {"k": 3}}, require_live=True)  # LRU-K's K is live too
+    assert change.deferred == [] and engine.cache.eviction.k == 3
     with pytest.raises(PolicyNotLive):
-        cp.store.update({"eviction": {"k": 3}}, require_live=True)
+        cp.store.update({"prefixCache": {"enabled": False}}, require_live=True)
 
 
 def test_bad_config_edits_keep_the_previous_config_and_are_reported_once(plane: Any, tmp_path: Path) -> None:
@@ -239,7 +241,9 @@ def test_without_a_config_file_the_engine_start_up_policy_is_the_baseline(plane:
     cp, engine, latency, sock = plane
     client = EngineClient(sock)
     client.update_policy({"eviction": {"k": 5}})  # someone changed it by hand: not the agent's business
-    doc = {"alerts": {"latencyMs": {"threshold": 100, "for": "0s"}}, "remediation": {"cooldown": "10s"}}
+    engine.waiting = 0
+    doc = {"alerts": {"latencyMs": {"threshold": 100, "for": "0s", "signal": "e2e"}},
+           "remediation": {"cooldown": "10s"}}
     agent = Agent(load_config(doc), client, config_path=None, kube=KubeRecorder({}))
     agent.tick(0)
     assert json.loads(client.status().policy_json)["confkv"]["eviction"]["k"] == 5  # no file: nothing pushed

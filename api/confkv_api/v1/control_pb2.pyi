@@ -26,8 +26,18 @@ class DeviceMemory(_message.Message):
     total_bytes: int
     def __init__(self, device: _Optional[str] = ..., used_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
+class Histogram(_message.Message):
+    __slots__ = ("upper_bounds", "cumulative_counts", "sum")
+    UPPER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    upper_bounds: _containers.RepeatedScalarFieldContainer[float]
+    cumulative_counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    def __init__(self, upper_bounds: _Optional[_Iterable[float]] = ..., cumulative_counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
+
 class EngineStatus(_message.Message):
-    __slots__ = ("model", "timestamp", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_bytes_used", "kv_bytes_total", "kv_bytes_key_only", "preemptions_total", "oom_total", "prompt_tokens_total", "generated_tokens_total", "latency_count", "latency_seconds_sum", "avg_latency_seconds", "prefix_cache_enabled", "prefix_queried_tokens", "prefix_hit_tokens", "device_memory", "policy_version", "policy_json", "startup_policy_json", "capabilities")
+    __slots__ = ("model", "timestamp", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_bytes_used", "kv_bytes_total", "kv_bytes_key_only", "preemptions_total", "oom_total", "prompt_tokens_total", "generated_tokens_total", "latency_count", "latency_seconds_sum", "avg_latency_seconds", "prefix_cache_enabled", "prefix_queried_tokens", "prefix_hit_tokens", "device_memory", "policy_version", "policy_json", "startup_policy_json", "capabilities", "time_to_first_token", "time_per_output_token", "request_latency")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +63,9 @@ class EngineStatus(_message.Message):
     POLICY_JSON_FIELD_NUMBER: _ClassVar[int]
     STARTUP_POLICY_JSON_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIME_PER_OUTPUT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_LATENCY_FIELD_NUMBER: _ClassVar[int]
     model: str
     timestamp: float
     num_running: int
@@ -78,7 +91,10 @@ class EngineStatus(_message.Message):
     policy_json: str
     startup_policy_json: str
     capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., timestamp: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_bytes_key_only: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., oom_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., latency_count: _Optional[int] = ..., latency_seconds_sum: _Optional[float] = ..., avg_latency_seconds: _Optional[float] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ..., policy_version: _Optional[int] = ..., policy_json: _Optional[str] = ..., startup_policy_json: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    time_to_first_token: Histogram
+    time_per_output_token: Histogram
+    request_latency: Histogram
+    def __init__(self, model: _Optional[str] = ..., timestamp: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_bytes_key_only: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., oom_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., latency_count: _Optional[int] = ..., latency_seconds_sum: _Optional[float] = ..., avg_latency_seconds: _Optional[float] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ..., policy_version: _Optional[int] = ..., policy_json: _Optional[str] = ..., startup_policy_json: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., time_to_first_token: _Optional[_Union[Histogram, _Mapping]] = ..., time_per_output_token: _Optional[_Union[Histogram, _Mapping]] = ..., request_latency: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
 
 class UpdatePolicyRequest(_message.Message):
     __slots__ = ("confkv_json", "replace", "max_batch_size", "expected_version", "require_live", "reason")

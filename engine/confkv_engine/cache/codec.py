@@ -22,8 +22,8 @@ value group is free up to ``D``.
 ``[min, min + levels * scale]`` and decodes within ``scale / 2`` of its value. ``scale`` is the
 group's range / levels, widened by fp16 rounding: by about 2**-10 relative, plus ``|min| * 2**-10 /
 levels`` when the group sits far from zero compared with its range. A constant group (zero range)
-decodes exactly when the constant is an fp16 number. Inputs must be finite and inside fp16's range (|x| <= 65504);
-anything else is refused with ``ValueError`` (keep that block uncompressed).
+decodes exactly when the constant is an fp16 number. Inputs must be finite and inside fp16's range
+(|x| <= 65504); anything else is refused with ``ValueError`` (keep that block uncompressed).
 
 **Bytes.** ``to_bytes`` lays out ``codes | pad to even | scales (fp16) | mins (fp16)`` in one flat
 uint8 tensor (fits in pool memory or a file); int4 and int2 codes are packed 2 and 4 per byte,

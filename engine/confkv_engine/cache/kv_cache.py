@@ -35,6 +35,7 @@ Layout:
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -48,7 +49,6 @@ from confkv_engine.cache.layout import (
     DEFAULT_CPU_CACHE_BYTES,
     CacheSpec,
     CompressResult,
-    EvictionSink,
     SeqKV,
     WritePlan,
     resolve_cache_bytes,
@@ -57,6 +57,16 @@ from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, blo
 
 __all__ = ["CPU_AVAILABLE_CAP", "DEFAULT_CPU_CACHE_BYTES", "CacheSpec", "CompressResult", "EvictionSink",
            "KVCache", "SeqKV", "WritePlan", "resolve_cache_bytes"]
+
+
+class EvictionSink(Protocol):
+    """Where evicted prefix blocks go and come back from (``offload.DiskTier``); must not block long."""
+
+    def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
+
+    def load_chain(self, cache: KVCache, tokens: list[int], have: list[CachedBlock], max_blocks: int) -> int:
+        ...
+
 
 class KVCache:
     def __init__(self, spec: CacheSpec, num_blocks: int, prefix_salt: bytes | None = None,
@@ -193,10 +203,16 @@ class KVCache:
 
     # ---- prefix cache ------------------------------------------------------------------------
     def match(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
-        """The cached blocks covering the longest prefix of ``tokens`` (no side effects)."""
+        """The cached blocks covering the longest prefix of ``tokens``. Nothing is shared yet; blocks
+        the disk tier holds beyond the in-memory hit are read back as evictable entries first."""
         if self.prefix is None or max_blocks <= 0:
             return []
-        return self.prefix.match(tokens, self.spec.block_size, max_blocks)
+        found = self.prefix.match(tokens, self.spec.block_size, max_blocks)
+        more = min(max_blocks, len(tokens) // self.spec.block_size) > len(found)
+        if self.sink is not None and more:
+            if self.sink.load_chain(self, tokens, found, max_blocks):
+                found = self.prefix.match(tokens, self.spec.block_size, max_blocks)
+        return found
 
     def evictable_among(self, entries: list[CachedBlock]) -> int:
         """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
@@ -265,6 +281,15 @@ class KVCache:
         self.eviction.touch(key, self._clock)
         self._mark_evictable(entry)  # the index's reference only: evictable until someone hits it
         return True
+
+    def offer_all(self) -> int:
+        """Offer every cached entry to the sink (at shutdown, so a restart finds them on disk)."""
+        if self.sink is None or self.prefix is None:
+            return 0
+        entries = self.prefix.entries()
+        for entry in entries:
+            self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(entry.key)))
+        return len(entries)
 
     # ---- compression (``cache.compress``) ---------------------------------------------------
     def compress_cold(self, bits: int, group: int, cold_after: float, limit: int,

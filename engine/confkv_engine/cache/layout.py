@@ -7,12 +7,9 @@ tests can name the layout without the cache's machinery; ``kv_cache`` re-exports
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
-
-from confkv_engine.cache.prefix import CachedBlock
 
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
 # On CPU a fraction ("80%") means that fraction of total RAM, but never more than half of the RAM
@@ -70,12 +67,6 @@ class SeqKV:
     v_blocks: list[int] = field(default_factory=list)
     num_slots: int = 0  # slots used, the same in every (layer, KV head)
     block_keys: list[bytes] = field(default_factory=list)  # chain keys of its leading full blocks
-
-
-class EvictionSink(Protocol):
-    """Receives prefix blocks the cache evicts (``offload.DiskTier``); must not block for long."""
-
-    def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
 
 
 @dataclass(frozen=True)

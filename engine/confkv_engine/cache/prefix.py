@@ -91,6 +91,10 @@ class PrefixIndex:
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
+    def entries(self) -> list[CachedBlock]:
+        """Every entry, parents before children (insertion order)."""
+        return list(self._entries.values())
+
     def get(self, key: bytes) -> CachedBlock | None:
         return self._entries.get(key)
 

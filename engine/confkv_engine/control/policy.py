@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from confkv_api.config import ConfKVSection, EngineSection
+from confkv_api.merge import merge_patch
 
 log = logging.getLogger("confkv.policy")
 
@@ -71,20 +72,6 @@ def flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in doc.items():
         out.update(flatten(value, f"{prefix}.{key}" if prefix else key))
-    return out
-
-
-def merge_patch(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """JSON merge patch (RFC 7396): objects merge key by key, ``null`` removes a key (its default
-    applies again), anything else replaces."""
-    out = dict(base)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_patch(out[key], value)
-        else:
-            out[key] = value
     return out
 
 

@@ -13,8 +13,10 @@ What the engine can do today, and therefore what the RPCs do:
   (``EngineControlTarget.live_fields``: ``engine.maxBatchSize`` and the retention defaults) take
   effect between two scheduler steps; other fields are validated, versioned and stored, and
   reported as deferred (the engine reads them at start only).
-- Compress, RebuildIndex, Warmup: FAILED_PRECONDITION naming the missing capability (no quantized
-  block compression, no cache-directory log, no prefix cache yet). Nothing pretends.
+- RebuildIndex: rebuilds the disk tier's index from its record files (FAILED_PRECONDITION without
+  ``engine.cacheDir``). Warmup: prefills the given prompts, or the disk tier's most-hit prefixes,
+  into the prefix cache and answers once they are cached. Compress: the cache's quantized
+  compression; FAILED_PRECONDITION when the engine cannot do what is asked. Nothing pretends.
 
 Server integration (``confkv_engine.server``): ``ControlPlane(config)``, ``start()`` at start-up,
 ``attach(target, ...)`` once the engine runs, ``stop()`` at shutdown. The servicer reaches the engine
@@ -26,22 +28,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from confkv_api import metrics as names
 from confkv_api.config import ConfKVConfig
+from confkv_api.histograms import histogram_message
 from confkv_api.v1 import control_pb2 as pb
 from confkv_api.v1 import control_pb2_grpc as pb_grpc
 from confkv_engine.cache.memory import device_memory
+from confkv_engine.control import unix_socket
 from confkv_engine.control.policy import (
     PolicyConflict,
     PolicyError,
@@ -54,15 +56,13 @@ from confkv_engine.core.control_api import EngineControlTarget, EngineStats, Pol
 
 log = logging.getLogger("confkv.control")
 
-# Longest path a sockaddr_un holds on Linux (108 bytes with the terminating NUL).
-MAX_SOCKET_PATH = 107
+MAX_WARMUP_PROMPTS = 256
+DEFAULT_WARMUP_TOP_K = 8
 MISSING = {
     "compress": "this engine has no KV block compression yet (capability 'compress' is missing): cold blocks "
                 "are never quantized, so there is nothing to compress; nothing was changed",
-    "rebuild-index": "this engine has no cache-directory log or block index yet (capability 'rebuild-index' "
-                     "is missing): there is nothing to rebuild; nothing was changed",
-    "prefix-cache": "this engine has no prefix cache yet (capability 'prefix-cache' is missing): there is "
-                    "nothing to warm up; nothing was changed",
+    "prefix-cache": "this engine runs without a prefix cache (confkv.prefixCache.enabled is false): there "
+                    "is nothing to warm up; nothing was changed",
 }
 
 
@@ -72,23 +72,10 @@ class ControlPlaneError(RuntimeError):
 
 def socket_path(address: str) -> str:
     """``/run/x.sock`` or ``unix:///run/x.sock`` -> ``/run/x.sock``; anything network-like is refused."""
-    path = address.removeprefix("unix://")
-    if not path.startswith("/"):
-        raise ControlPlaneError(f"engine.grpcSocket must be an absolute Unix socket path (the control plane "
-                                f"never listens on the network), got {address!r}")
-    if len(path.encode()) > MAX_SOCKET_PATH:
-        raise ControlPlaneError(f"engine.grpcSocket {path!r} is longer than {MAX_SOCKET_PATH} bytes")
-    return path
-
-
-def _socket_is_live(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(1.0)
-        try:
-            sock.connect(path)
-        except OSError:
-            return False
-    return True
+    try:
+        return unix_socket.socket_path(address)
+    except unix_socket.ControlSocketError as err:
+        raise ControlPlaneError(str(err)) from None
 
 
 @dataclass
@@ -101,6 +88,9 @@ class EngineBinding:
     registry: Any | None  # prometheus CollectorRegistry holding the request-latency histogram
     device: str
     model_name: str
+    # Prefill prompts (or, given none, the top-k remembered hot prefixes) into the prefix cache and
+    # wait for them: returns (prompts run, blocks cached now). From the server, which has the tokenizer.
+    warmup: Callable[[list[str], int], tuple[int, int]] | None = None
 
     def capabilities(self) -> list[str]:
         caps = [f"live:{field}" for field in self.target.live_fields()]
@@ -135,32 +125,34 @@ class ControlPlane:
         self._stopping = threading.Event()
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self) -> bool:
-        """Serve the socket; False (logged) when it cannot, so the HTTP server keeps serving."""
+    def start(self) -> None:
+        """Serve the socket (a no-op when already serving); ControlPlaneError when it cannot be served
+        safely: the caller exits rather than run an engine its agent cannot reach (or reaches through
+        a socket somebody else made)."""
+        if self._server is not None:
+            return
         try:
-            path = socket_path(self.address)
-            Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if os.path.exists(path):
-                if _socket_is_live(path):
-                    raise ControlPlaneError(f"another process is serving the control socket {path}")
-                os.unlink(path)  # left behind by an engine that died
+            path = unix_socket.prepare(self.address)
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="confkv-grpc"),
                                  maximum_concurrent_rpcs=32)
             pb_grpc.add_EngineControlServicer_to_server(ControlServicer(self), server)
-            if not server.add_insecure_port(f"unix://{path}"):
-                raise ControlPlaneError(f"could not bind unix://{path}")
-            server.start()
+            with unix_socket.owner_only_umask():
+                bound = server.add_insecure_port(f"unix://{path}")
+            if not bound:
+                raise unix_socket.ControlSocketError(f"could not bind unix://{path}")
             os.chmod(path, 0o600)
-        except (ControlPlaneError, OSError, RuntimeError) as err:
-            log.error("gRPC control plane not started: %s", err)
-            return False
+            server.start()
+        except unix_socket.ControlSocketError as err:
+            raise ControlPlaneError(str(err)) from None
+        except (OSError, RuntimeError) as err:
+            raise ControlPlaneError(f"the gRPC control plane cannot start on {self.address}: {err}") from None
         self._server, self._path = server, path
         log.info("gRPC control plane (confkv.v1.EngineControl) on unix://%s", path)
-        return True
 
     def attach(self, target: EngineControlTarget, stats: Callable[[], EngineStats], registry: Any | None,
-               device: str, model_name: str) -> None:
-        binding = EngineBinding(target, stats, registry, device, model_name)
+               device: str, model_name: str,
+               warmup: Callable[[list[str], int], tuple[int, int]] | None = None) -> None:
+        binding = EngineBinding(target, stats, registry, device, model_name, warmup)
         self.store = PolicyStore(self.config.confkv, target.max_batch_size,
                                  live_fields=target.live_fields(), apply=binding.apply_policy)
         self._binding = binding
@@ -206,7 +198,10 @@ class ControlPlane:
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             device_memory=pb.DeviceMemory(device=label, used_bytes=int(used), total_bytes=int(capacity)),
             policy_version=policy.version, policy_json=policy.to_json(),
-            startup_policy_json=store.startup.to_json(), capabilities=binding.capabilities())
+            startup_policy_json=store.startup.to_json(), capabilities=binding.capabilities(),
+            time_to_first_token=histogram_message(binding.registry, names.TIME_TO_FIRST_TOKEN_SECONDS),
+            time_per_output_token=histogram_message(binding.registry, names.TIME_PER_OUTPUT_TOKEN_SECONDS),
+            request_latency=histogram_message(binding.registry, names.REQUEST_LATENCY_SECONDS))
 
 
 _POLICY_CODES = {PolicyInvalid: grpc.StatusCode.INVALID_ARGUMENT,
@@ -275,7 +270,27 @@ class ControlServicer(pb_grpc.EngineControlServicer):
 
     def RebuildIndex(self, request: pb.RebuildIndexRequest,
                      context: grpc.ServicerContext) -> pb.ActionResponse:
-        return self._missing("rebuild-index", context)
+        binding, _ = self._require(context)
+        try:
+            message = binding.target.rebuild_index()
+        except PolicyRejected as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        log.info("RebuildIndex: %s", message)
+        return pb.ActionResponse(message=message, blocks_affected=binding.stats().disk_records)
 
     def Warmup(self, request: pb.WarmupRequest, context: grpc.ServicerContext) -> pb.ActionResponse:
-        return self._missing("prefix-cache", context)
+        binding, _ = self._require(context)
+        if request.top_k < 0 or len(request.prompts) > MAX_WARMUP_PROMPTS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"top_k must be >= 0 and at most {MAX_WARMUP_PROMPTS} prompts are accepted")
+        if binding.warmup is None or not binding.stats().prefix_cache_enabled:
+            return self._missing("prefix-cache", context)
+        before = binding.stats().prefix_hit_tokens
+        try:
+            prompts, cached = binding.warmup(list(request.prompts), request.top_k or DEFAULT_WARMUP_TOP_K)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        message = (f"warmed {prompts} prompt(s) into the prefix cache ({cached} blocks cached now)"
+                   if prompts else "nothing to warm up: no prompts given and no remembered hot prefixes")
+        log.info("Warmup: %s (hits so far %d)", message, before)
+        return pb.ActionResponse(message=message, blocks_affected=cached)

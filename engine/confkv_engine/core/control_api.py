@@ -14,6 +14,8 @@ from confkv_api.config import ConfKVSection
 
 #: The dotted config path of the live batch-size setting.
 BATCH_FIELD = "engine.maxBatchSize"
+#: LRU-K's K (and LRU vs LRU-K) of the prefix cache: live, cached blocks and their history stay.
+EVICTION_FIELD = "confkv.eviction"
 #: Fields the retention manager reads when a request is admitted: live (running requests keep theirs).
 RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.sinks", "confkv.window",
                     "confkv.budget", "confkv.budgetTokens", "confkv.budgetMode")
@@ -42,6 +44,12 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of those, served from the prefix cache (cumulative)
     prefix_hit_ratio_window: float | None = None  # hit / queried over the last 5 minutes; None: no lookups
     kv_bytes_evictable: int = 0  # cached blocks nobody references: reclaimable at once
+    eviction_k: int = 0  # the prefix cache's live LRU-K K (1 = LRU)
+    disk_records: int = 0  # blocks the disk tier holds
+    disk_bytes: int = 0
+    disk_spilled: int = 0  # evicted blocks written to disk since start
+    disk_loaded: int = 0  # blocks read back from disk into the prefix cache
+    rebuild_records_skipped: int = 0  # torn or corrupt records the index rebuilds skipped
     kv_blocks_compressed: int = 0  # K or V blocks stored quantized inside pool memory
     kv_bytes_compressed: int = 0  # their encoded bytes (scales and minimums included)
 
@@ -67,4 +75,12 @@ class EngineControlTarget(Protocol):
     def apply_policy(self, confkv: ConfKVSection, max_batch_size: int, changed: list[str]) -> None:
         """Apply the validated policy's ``changed`` live fields between two steps, all or nothing;
         raises ``PolicyRejected`` (nothing changed) when the engine cannot take it."""
+        ...
+
+    def rebuild_index(self) -> str:
+        """Rebuild the disk tier's block index; returns what happened (raises PolicyRejected without one)."""
+        ...
+
+    def hot_prefixes(self, n: int) -> list[list[int]]:
+        """Token ids of the most-hit prefixes the engine remembers (disk tier), best first."""
         ...

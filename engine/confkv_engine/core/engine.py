@@ -30,11 +30,13 @@ from confkv_api.config import CompressionSection, ConfKVConfig, ConfKVSection, p
 from confkv_engine.attention.retention import RetentionAttention
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.kv_cache import CacheSpec, CompressResult, KVCache, resolve_cache_bytes
+from confkv_engine.cache.offload import DiskTier
 from confkv_engine.core import sampling
 from confkv_engine.core.compression import BLOCKS_PER_PASS, CompressionWorker, compress_blocks, encode_stream
 from confkv_engine.core.control_api import (
     BATCH_FIELD,
     COMPRESSION_FIELD,
+    EVICTION_FIELD,
     RETENTION_FIELDS,
     EngineStats,
     PolicyRejected,
@@ -84,6 +86,11 @@ class LLMEngine:
         salt = salt if config.confkv.prefix_cache.enabled else None
         self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device), prefix_salt=salt,
                                          eviction_k=ev.k if ev.policy == "LRU-K" else 1)
+        # The disk tier (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
+        self.disk: DiskTier | None = None
+        if eng.cache_dir and salt is not None:
+            self.disk = DiskTier(eng.cache_dir)
+            self.cache.sink = self.disk
         # Token-level retention (conf-kv and its peers); ``retention`` overrides the confkv section.
         self.retention = RetentionManager(self.cache, args.num_heads,
                                           retention or config_from_section(config.confkv), eng.prefill_chunk)
@@ -334,10 +341,32 @@ class LLMEngine:
             self.scheduler.max_batch_size = n
 
     def live_fields(self) -> list[str]:
-        return [BATCH_FIELD, *RETENTION_FIELDS, COMPRESSION_FIELD]
+        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD, COMPRESSION_FIELD]
 
     def capabilities(self) -> list[str]:
-        return ["compress"]
+        caps = ["compress"] + (["prefix-cache", "warmup"] if self.cache.prefix is not None else [])
+        return caps + (["rebuild-index"] if self.disk is not None else [])
+
+    def rebuild_index(self) -> str:
+        """Rebuild the disk tier's index from its record files (torn or corrupt ones are skipped)."""
+        if self.disk is None:
+            raise PolicyRejected("this engine has no cache directory (engine.cacheDir): nothing to rebuild")
+        report = self.disk.rebuild()
+        return (f"rebuilt the disk index: {report.records} records ({report.bytes} bytes), "
+                f"{report.skipped} torn or corrupt skipped, {report.orphans} unfinished writes removed")
+
+    def hot_prefixes(self, n: int) -> list[list[int]]:
+        """Token ids of the most-hit prefixes the disk tier remembers (for a warm-up with no prompts)."""
+        return self.disk.hot_prefixes(n) if self.disk is not None else []
+
+    def close(self) -> None:
+        """Release what outlives requests (the compression worker, the disk tier's writer and index)."""
+        self.stop_compression()
+        if self.disk is not None:
+            with self._lock:
+                self.cache.offer_all()
+            self.disk.flush()
+            self.disk.close()
 
     def apply_policy(self, confkv: ConfKVSection, max_batch_size: int, changed: list[str]) -> None:
         """Everything is computed and checked first, then set between two steps (all or nothing).
@@ -349,6 +378,9 @@ class LLMEngine:
                 self.retention.check(retention)
             except ValueError as err:
                 raise PolicyRejected(f"invalid policy: {err}") from None
+        compression = None
+        if any(p.startswith(COMPRESSION_FIELD) for p in changed):
+            compression = self._checked_compression(confkv.compression)
         if max_batch_size < 1:
             raise PolicyRejected(f"invalid policy: maxBatchSize must be >= 1, got {max_batch_size}")
         with self._lock:  # the engine steps under this lock: the change lands between two steps
@@ -356,8 +388,11 @@ class LLMEngine:
                 self.scheduler.max_batch_size = max_batch_size
             if retention is not None:
                 self.retention.set_defaults(retention)
-        if any(p.startswith(COMPRESSION_FIELD) for p in changed):
-            self._set_compression(confkv.compression)
+            if any(p.startswith(EVICTION_FIELD) for p in changed):
+                ev = confkv.eviction
+                self.cache.set_eviction_k(ev.k if ev.policy == "LRU-K" else 1)
+        if compression is not None:  # outside the lock: stopping the worker waits for its pass
+            self._set_compression(compression)
 
     # ---- conveniences ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]],
@@ -392,8 +427,16 @@ class LLMEngine:
                 prefix_queried_tokens=self.cache.hits.queried, prefix_hit_tokens=self.cache.hits.hit,
                 prefix_hit_ratio_window=self.cache.hits.window_ratio(),
                 kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
+                eviction_k=self.cache.eviction.k, **self._disk_stats(),
                 kv_blocks_compressed=self.cache.num_compressed,
                 kv_bytes_compressed=self.cache.compressed_bytes)
+
+    def _disk_stats(self) -> dict[str, int]:
+        if self.disk is None:
+            return {}
+        s = self.disk.refresh_stats()
+        return {"disk_records": s.records, "disk_bytes": s.bytes_used, "disk_spilled": s.spilled,
+                "disk_loaded": s.loaded, "rebuild_records_skipped": s.rebuild_skipped}
 
     # ---- compression (``core.compression``) -------------------------------------------------
     def compress(self, bits: int | None = None, force: bool = False) -> CompressResult:
@@ -428,13 +471,16 @@ class LLMEngine:
         with self._lock, torch.inference_mode(), encode_stream(self.device, stream):
             return self.cache.compress_cold(cfg.bits, cfg.group_size, cfg.cold_after_seconds, BLOCKS_PER_PASS)
 
-    def _set_compression(self, cfg: CompressionSection) -> None:
-        """Live compression settings (checked before anything changes); the worker follows ``enabled``."""
+    def _checked_compression(self, cfg: CompressionSection) -> CompressionSection:
         spec = self.cache.spec
         try:
             block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, cfg.bits, cfg.group_size)
         except ValueError as err:
             raise PolicyRejected(f"invalid policy: {err}") from None
+        return cfg
+
+    def _set_compression(self, cfg: CompressionSection) -> None:
+        """Live compression settings (checked by ``_checked_compression``); the worker follows ``enabled``."""
         self.compression = cfg
         if self._compressor is not None:
             if cfg.enabled:

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 disable_created_metrics()
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, float("inf"))
+# Per output token after the first; 0.25 and 0.5 s are bounds so the CPU and GPU thresholds fall on them.
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, float("inf"))
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
@@ -101,6 +103,8 @@ class EngineMetrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first generated token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(names.TIME_PER_OUTPUT_TOKEN_SECONDS, "Time per output token after the first.",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
         self.prompt_tokens = Counter(_suffixless(names.PROMPT_TOKENS), "Prompt tokens of finished requests.",
                                      registry=self.registry)
         self.generation_tokens = Counter(_suffixless(names.GENERATION_TOKENS), "Generated tokens.",
@@ -125,6 +129,9 @@ class EngineMetrics:
         self.latency.observe(max(0.0, end - out.arrival_time))
         if out.first_token_time is not None:
             self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+            n = len(out.output_token_ids)
+            if n >= 2:
+                self.tpot.observe(max(0.0, end - out.first_token_time) / (n - 1))
 
     def observe_aborted(self, request_id: str) -> None:
         """A request abandoned by its client (disconnect) and aborted in the engine."""

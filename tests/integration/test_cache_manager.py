@@ -1,0 +1,113 @@
+"""The cache manager through real processes: ``confkv serve`` on the embedded model with a cache
+directory; the prefix cache reports hits per request and in GetStatus, Warmup prefills a prompt the
+next request hits, and after a restart on the same directory the prefix comes back from disk."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from engine_server import EngineServer, wait_for
+
+from confkv_api.v1 import control_pb2 as pb
+from confkv_api.v1 import control_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(600)
+
+SYSTEM = ("You are a careful assistant for a team of engineers who run a fleet of inference servers. "
+          "Answer in one short sentence, name the component you mean, and never guess a number. ") * 3
+
+
+def _status(sock: Path) -> pb.EngineStatus:
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        return pb_grpc.EngineControlStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10)
+
+
+def _control(sock: Path, method: str, request: object) -> pb.ActionResponse:
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        return getattr(pb_grpc.EngineControlStub(channel), method)(request, timeout=120)
+
+
+def _complete(srv: EngineServer, prompt: str) -> dict:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    resp = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cm")
+
+
+def _serve(workdir: Path, port: int | None = None) -> EngineServer:
+    cfg = workdir / "confkv.json"
+    engine = {"grpcSocket": str(workdir / "e.sock"), "cacheDir": str(workdir / "nvme")}
+    cfg.write_text(json.dumps({"engine": engine, "confkv": {"maxCacheSize": "64Mi"}}))
+    srv = EngineServer(workdir, "--config", str(cfg), **({"port": port} if port else {}))
+    srv.wait_ready()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(workdir: Path) -> Iterator[EngineServer]:
+    srv = _serve(workdir)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_a_shared_system_prompt_is_a_hit_with_the_same_answer(server: EngineServer, workdir: Path) -> None:
+    cold = _complete(server, SYSTEM + "Which component schedules requests?")
+    before = _status(workdir / "e.sock")
+    warm = _complete(server, SYSTEM + "Which component schedules requests?")
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    want = 16 * (cold["usage"]["prompt_tokens"] // 16 - 1)
+    # GetStatus reads the engine's snapshot taken after each step: it may lag the HTTP answer a step.
+    after = wait_for(lambda: (s := _status(workdir / "e.sock")).prefix_hit_tokens - before.prefix_hit_tokens
+                     >= want and s, "the hit in GetStatus")
+    assert after.prefix_cache_enabled
+    assert "prefix-cache" in after.capabilities and "rebuild-index" in after.capabilities
+
+
+def test_warmup_prefills_what_the_next_request_hits(server: EngineServer, workdir: Path) -> None:
+    prompt = "The deployment guide says: keep the hot prefixes warm, and evict the cold ones first. " * 4
+    resp = _control(workdir / "e.sock", "Warmup", pb.WarmupRequest(prompts=[prompt]))
+    assert "warmed 1 prompt" in resp.message and resp.blocks_affected > 0
+    before = _status(workdir / "e.sock").prefix_hit_tokens
+    _complete(server, prompt + " Why?")
+    wait_for(lambda: _status(workdir / "e.sock").prefix_hit_tokens - before >= 64, "the warmed prefix's hit")
+
+
+def test_bad_warmup_and_rebuild_requests(server: EngineServer, workdir: Path) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        _control(workdir / "e.sock", "Warmup", pb.WarmupRequest(top_k=-1))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    resp = _control(workdir / "e.sock", "RebuildIndex", pb.RebuildIndexRequest())
+    assert "rebuilt the disk index" in resp.message
+    assert _status(workdir / "e.sock").num_running == 0  # still serving
+
+
+def test_after_a_restart_the_prefix_comes_back_from_disk(workdir: Path) -> None:
+    disk = workdir / "restart"
+    disk.mkdir()
+    first = _serve(disk)
+    try:
+        answer = _complete(first, SYSTEM + "What restarts the engine?")["choices"][0]["text"]
+        _complete(first, SYSTEM + "What restarts the engine?")  # used twice: it deserves the disk
+    finally:
+        assert first.stop() == 0  # a clean shutdown writes the cached blocks to the cache directory
+    second = _serve(disk)
+    try:
+        status = _status(disk / "e.sock")
+        assert status.prefix_hit_tokens == 0
+        again = _complete(second, SYSTEM + "What restarts the engine?")
+        assert again["choices"][0]["text"] == answer
+        wait_for(lambda: _status(disk / "e.sock").prefix_hit_tokens > 0, "a hit served from disk")
+    finally:
+        second.stop()
