@@ -15,6 +15,13 @@ perplexity increase against measured bytes is written next to the JSON.
 ``--runner engine`` (default) feeds the windows through ``LLMEngine`` (``max_tokens=0``, prompt
 logprobs, prefill chunk 32); ``--runner offline`` uses ``retention.offline.run_sequence`` on the
 same cache and backend without the scheduler (a cross-check; numbers must agree).
+
+``--compress 8,4`` adds rows ``full+int8`` / ``full+int4``: the full cache with every block outside
+the recent window (all but the last 2 blocks) quantized after every step (``LLMEngine.compress``,
+forced, default groupSize), against the same policy uncompressed (the ``full`` row); their KiB
+columns are the sequence's real bytes, compressed blocks at their encoded size.
+
+    python bench/kv_quality.py --quick --policies full --compress 8,4
 """
 
 from __future__ import annotations
@@ -88,7 +95,9 @@ class OfflineRunner:
         self.cache = KVCache.from_budget(spec, 2 * 2048 * spec.block_bytes // 16 + 8 * spec.block_bytes)
         self.loaded = loaded
 
-    def run(self, cfg: RetentionConfig, tokens: list[int]) -> dict:
+    def run(self, cfg: RetentionConfig, tokens: list[int], compress_bits: int | None = None) -> dict:
+        if compress_bits is not None:
+            raise SystemExit("--compress needs the engine runner")
         from confkv_engine.retention.manager import RetentionManager
         from tests.drivers.offline import run_sequence
 
@@ -106,7 +115,7 @@ class EngineRunner:
         self.loaded = loaded
         self.count = 0
 
-    def run(self, cfg: RetentionConfig, tokens: list[int]) -> dict:
+    def run(self, cfg: RetentionConfig, tokens: list[int], compress_bits: int | None = None) -> dict:
         from confkv_api.config import load_config
         from confkv_engine.core.engine import LLMEngine
         from confkv_engine.core.sampling_params import SamplingParams
@@ -123,8 +132,12 @@ class EngineRunner:
             for out in engine.step():
                 if out.request_id == rid and out.finished:
                     final = out
+            if compress_bits is not None:  # everything outside the recent window, every step
+                engine.compress(compress_bits, force=True)
             seq = next((s for s in engine.scheduler.running if s.request_id == rid), None)
-            if seq is not None:  # bytes held between steps (after the policy acted)
+            if seq is not None and compress_bits is not None:
+                samples.append(engine.cache.seq_bytes(seq.kv))
+            elif seq is not None:  # bytes held between steps (after the policy acted)
                 samples.append(engine.retention.held_bytes(seq.kv, seq.policy_state))
         lps = [e.logprob for e in final.prompt_logprobs[1:]]
         return {"logprobs": torch.tensor(lps), "peak": final.kv_usage.peak_kv_bytes,
@@ -139,8 +152,9 @@ def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tu
 def measure(runner, name: str, cfg: RetentionConfig, wins: list[list[int]]) -> dict:
     nll, peaks, means = [], [], []
     t0 = time.time()
+    bits = int(name.split("+int")[1]) if "+int" in name else None
     for w in wins:
-        r = runner.run(cfg, w)
+        r = runner.run(cfg, w, bits)
         nll.append(second_half_nll(r["logprobs"], len(w)))
         peaks.append(r["peak"])
         means.append(r["mean"])
@@ -155,6 +169,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, float | None, RetentionCon
     if args.budgets:
         budgets = [float(b) for b in args.budgets.split(",")]
     items: list[tuple[str, float | None, RetentionConfig]] = [("full", None, make_config("full", None, args))]
+    for bits in (args.compress.split(",") if args.compress else []):
+        items.append((f"full+int{int(bits)}", None, make_config("full", None, args)))
     for f in budgets:
         for p in POLICIES:
             items.append((p, f, make_config(p, f, args)))
@@ -179,7 +195,11 @@ def print_table(rows: list[dict], full: dict) -> None:
 
 
 def plot(rows: list[dict], full: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the plot is optional (the bench extra installs matplotlib)
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -206,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budgets", help="comma-separated fractions (overrides the default set)")
     ap.add_argument("--policies", help="comma-separated config names to run (default: all)")
     ap.add_argument("--no-ablations", action="store_true", help="skip attention-/sampling-only scoring")
+    ap.add_argument("--compress", help="comma-separated bits (8,4): full cache with compressed blocks")
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--window-fraction", type=float, default=TierConfig.window_fraction)
     ap.add_argument("--high", type=float, default=0.9)
@@ -247,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.policies.split(",")) if args.policies else None
     rows = []
     for name, f, cfg in plan(args):
-        if wanted and name not in wanted and name != "full":
+        if wanted and name not in wanted and name != "full" and "+int" not in name:
             continue
         key = config_key(name, f, cfg, args.quick, args.tune, args.runner)
         if key not in data["results"]:

@@ -11,6 +11,11 @@ tensor ops. The step's tokens are the sequences' new tokens flattened in the ord
 - Prefill-chunk rows are handled per sequence with a causal mask in slot space: query t of a
   chunk sees the slots below ``slots_before + t + 1``. Positions never enter the mask: RoPE was
   applied before caching.
+- Compressed blocks (negative table entries) are dequantized on read: ``begin_step`` turns each
+  table into a ``GatherPlan`` (pool ids with compressed entries pointing at the null block, plus
+  per arena the rows and byte addresses to decode), and per layer the gather is one index_select
+  followed by one batched decode per arena that overwrites those rows. A table without compressed
+  entries costs exactly what it did before.
 - Masks are additive floats (0 / -inf); boolean 4D masks are avoided (they silently give wrong
   results in eager attention). The softmax is fp32: on CPU half-precision inputs are upcast; CUDA
   kernels accumulate in fp32 already.
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from confkv_engine.cache.arena import GatherPlan
 from confkv_engine.cache.kv_cache import KVCache, SeqKV, WritePlan
 
 _NEG_INF = float("-inf")
@@ -35,8 +41,8 @@ class PrefillPlan:
 
     index: int  # the sequence's position in the step
     rows: slice
-    k_table: Tensor  # [nb]
-    v_table: Tensor
+    k_table: GatherPlan  # nb blocks
+    v_table: GatherPlan
     ctx: int  # slots visible to the last query of the chunk (slice of the gathered blocks)
     mask: Tensor  # [1, 1, G*T, ctx]
 
@@ -80,10 +86,11 @@ class PagedAttention:
             return
         dev = self.cache.kv.device
         width = max(len(s.k_blocks) for s in seqs)
-        self.dec_k_table = torch.tensor([s.k_blocks + [0] * (width - len(s.k_blocks)) for s in seqs],
-                                        dtype=torch.long, device=dev).view(-1)
-        self.dec_v_table = torch.tensor([s.v_blocks + [0] * (width - len(s.v_blocks)) for s in seqs],
-                                        dtype=torch.long, device=dev).view(-1)
+        pad = self.cache.null_block
+        self.dec_k_table = self.cache.gather_plan(
+            [b for s in seqs for b in s.k_blocks + [pad] * (width - len(s.k_blocks))])
+        self.dec_v_table = self.cache.gather_plan(
+            [b for s in seqs for b in s.v_blocks + [pad] * (width - len(s.v_blocks))])
         self.dec_width = width * self.cache.spec.block_size
         slots = torch.arange(self.dec_width, device=dev)
         lens = torch.tensor([s.num_slots + 1 for s in seqs], device=dev)
@@ -93,8 +100,8 @@ class PagedAttention:
         dev = self.cache.kv.device
         ctx = seq.num_slots + n
         nb = -(-ctx // self.cache.spec.block_size)
-        k_table = torch.tensor(seq.k_blocks[:nb], dtype=torch.long, device=dev)
-        v_table = torch.tensor(seq.v_blocks[:nb], dtype=torch.long, device=dev)
+        k_table = self.cache.gather_plan(seq.k_blocks[:nb])
+        v_table = self.cache.gather_plan(seq.v_blocks[:nb])
         limit = seq.num_slots + torch.arange(n, device=dev)[:, None]  # [T, 1]
         mask = self._additive(torch.arange(ctx, device=dev)[None, :] <= limit)  # [T, ctx]
         return PrefillPlan(index, rows, k_table, v_table, ctx, mask.repeat(self.group, 1)[None, None])
@@ -131,20 +138,19 @@ class PagedAttention:
 
     def _attend_decode(self, layer: int, q: Tensor) -> Tensor:
         b, hq, d = q.shape
-        blocks = self.cache.kv[layer]  # [NB, bs, Hkv, D]
-        hkv = blocks.shape[2]
-        keys = blocks.index_select(0, self.dec_k_table).view(b, self.dec_width, hkv, d).transpose(1, 2)
-        vals = blocks.index_select(0, self.dec_v_table).view(b, self.dec_width, hkv, d).transpose(1, 2)
+        hkv = self.cache.spec.num_kv_heads
+        gather = self.cache.gather
+        keys = gather(layer, self.dec_k_table).view(b, self.dec_width, hkv, d).transpose(1, 2)
+        vals = gather(layer, self.dec_v_table).view(b, self.dec_width, hkv, d).transpose(1, 2)
         vals = self._decode_values(layer, vals)
         out = self._sdpa(q.view(b, hkv, self.group, d), keys, vals, self.dec_mask)  # [B, Hkv, G, D]
         return out.reshape(b, hq, d)
 
     def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor) -> Tensor:
         t, hq, d = q.shape
-        blocks = self.cache.kv[layer]
-        hkv, g = blocks.shape[2], self.group
-        keys = blocks.index_select(0, p.k_table).view(-1, hkv, d)[: p.ctx].transpose(0, 1)[None]
-        vals = blocks.index_select(0, p.v_table).view(-1, hkv, d)[: p.ctx].transpose(0, 1)[None]
+        hkv, g = self.cache.spec.num_kv_heads, self.group
+        keys = self.cache.gather(layer, p.k_table).view(-1, hkv, d)[: p.ctx].transpose(0, 1)[None]
+        vals = self.cache.gather(layer, p.v_table).view(-1, hkv, d)[: p.ctx].transpose(0, 1)[None]
         vals = self._prefill_values(layer, p, vals)
         qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
         out = self._sdpa(qg, keys, vals, p.mask)  # [1, Hkv, G*T, D]

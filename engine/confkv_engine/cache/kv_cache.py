@@ -25,92 +25,38 @@ Layout:
   a sequence only ever writes slots past them, and ``rewrite`` refuses to touch them. Unreferenced
   cached blocks stay in the pool, evictable in LRU-K order, and are reclaimed only when the free
   list runs short.
+- **Compressed blocks** (``arena``): a table entry or prefix entry may be a negative handle naming a
+  quantized copy kept inside pool memory. Every reference-count operation dispatches on the kind;
+  readers gather through ``gather_plan`` / ``gather``, which decode compressed rows. Only blocks
+  whose every holder is known are compressed (all their table entries change at once), and only
+  full blocks of consecutive positions, so a compressed K block needs no position metadata.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+import time
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from confkv_engine.cache.arena import CompressedStore, GatherPlan, block_codecs
 from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
+from confkv_engine.cache.compress import compress_cold_entries, compress_seq_blocks
 from confkv_engine.cache.eviction import LRUK
+from confkv_engine.cache.layout import (
+    CPU_AVAILABLE_CAP,
+    DEFAULT_CPU_CACHE_BYTES,
+    CacheSpec,
+    CompressResult,
+    SeqKV,
+    WritePlan,
+    resolve_cache_bytes,
+)
 from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
 
-log = logging.getLogger("confkv.cache")
-
-DEFAULT_CPU_CACHE_BYTES = 1 << 30
-# On CPU the pool never takes more than half of the RAM available when the engine starts (a
-# fraction such as "80%" is of total RAM, then capped): the model, activations and the OS need
-# the rest. On CUDA it never takes more than 90% of the memory free after the model loaded.
-CPU_AVAILABLE_CAP = 0.5
-CUDA_FREE_CAP = 0.9
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block (K or V for block_size tokens over all layers) incl. position metadata."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_slot = self.num_layers * self.num_kv_heads * (self.head_dim * elem + 4)
-        return per_slot * self.block_size
-
-
-def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.device) -> int:
-    """Byte budget of the pool from a parsed ``maxCacheSize`` (see ``confkv_api.config.parse_size``).
-
-    bytes: as given, but never more than the device can hold. Fraction: of free device memory on
-    CUDA (measured now, after the model was loaded); on CPU of total RAM. Unset: 90% of free memory
-    on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at 90% of free CUDA memory, or on
-    CPU at half the RAM available now (the model, activations and the OS need the rest): a size
-    the machine cannot hold is logged and capped rather than left to the OOM killer.
-    """
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        cap = int(CUDA_FREE_CAP * free)
-        if max_cache_size is None:
-            return cap
-        kind, value = max_cache_size
-        wanted = value if kind == "bytes" else value * free
-        return _capped(wanted, cap, f"{CUDA_FREE_CAP:.0%} of the free CUDA memory")
-    if max_cache_size is None:
-        return DEFAULT_CPU_CACHE_BYTES
-    import psutil
-
-    mem = psutil.virtual_memory()
-    kind, value = max_cache_size
-    wanted = value if kind == "bytes" else value * mem.total
-    return _capped(wanted, int(CPU_AVAILABLE_CAP * mem.available),
-                   f"{CPU_AVAILABLE_CAP:.0%} of the available RAM")
-
-
-def _capped(wanted: float, cap: int, what: str) -> int:
-    if wanted > cap:
-        log.warning("maxCacheSize asks for %d bytes, more than this machine can hold; the KV pool is "
-                    "capped at %d bytes (%s)", int(wanted), cap, what)
-        return cap
-    return int(wanted)
-
-
-@dataclass
-class SeqKV:
-    """One sequence's view of the pool (its tables are written by ``KVCache`` only)."""
-
-    k_blocks: list[int] = field(default_factory=list)
-    v_blocks: list[int] = field(default_factory=list)
-    num_slots: int = 0  # slots used, the same in every (layer, KV head)
-    block_keys: list[bytes] = field(default_factory=list)  # chain keys of its leading full blocks
+__all__ = ["CPU_AVAILABLE_CAP", "DEFAULT_CPU_CACHE_BYTES", "CacheSpec", "CompressResult", "EvictionSink",
+           "KVCache", "SeqKV", "WritePlan", "resolve_cache_bytes"]
 
 
 class EvictionSink(Protocol):
@@ -120,14 +66,6 @@ class EvictionSink(Protocol):
 
     def load_chain(self, cache: KVCache, tokens: list[int], have: list[CachedBlock], max_blocks: int) -> int:
         ...
-
-
-@dataclass(frozen=True)
-class WritePlan:
-    """Where a step's new keys and values go: flat pool slot indices [T], in the step's token order."""
-
-    k_index: Tensor
-    v_index: Tensor
 
 
 class KVCache:
@@ -152,6 +90,9 @@ class KVCache:
                               device=spec.device)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
+        self.store = CompressedStore(self.kv)
+        self._evictable_handles = 0  # compressed entries of evictable prefix blocks (no pool block)
+        self._cold: dict[bytes, float] = {}  # evictable entries with a pool block: release time, oldest first
 
     @classmethod
     def from_budget(cls, spec: CacheSpec, budget_bytes: int, prefix_salt: bytes | None = None,
@@ -173,7 +114,8 @@ class KVCache:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can get now: the free list plus evictable cached blocks."""
-        return self.pool.num_free + 2 * len(self.eviction)
+        return (self.pool.num_free + 2 * len(self.eviction) - self._evictable_handles
+                + self.store.reclaimable_hosts)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -223,12 +165,15 @@ class KVCache:
         return len(seq.k_blocks) + sum(1 for b in seq.v_blocks if b != self.null_block)
 
     def seq_bytes(self, seq: SeqKV) -> int:
-        """Bytes a sequence holds in the pool (K and V blocks, position metadata included)."""
-        return self.held_blocks(seq) * self.spec.block_bytes
+        """Bytes a sequence holds in the pool (K and V blocks, position metadata included; a
+        compressed block counts its encoded bytes)."""
+        blocks = [b for b in seq.k_blocks + seq.v_blocks if b != self.null_block]
+        return (sum(1 for b in blocks if b >= 0) * self.spec.block_bytes
+                + sum(self.store.nbytes(b) for b in blocks if b < 0))
 
     def shares_blocks(self, seq: SeqKV) -> bool:
         """True when another holder references one of the sequence's blocks (then they are immutable)."""
-        ref = self.pool.ref_count
+        ref = self._ref
         return any(ref(b) > 1 for b in seq.k_blocks) or any(
             b != self.null_block and ref(b) > 1 for b in seq.v_blocks)
 
@@ -253,15 +198,15 @@ class KVCache:
     def free(self, seq: SeqKV) -> None:
         """Drop the sequence's references (K table first, then V) and reset it. Its blocks the prefix
         index holds stay cached and become evictable, the chain's tail first."""
-        private = [b for b in seq.k_blocks if self.pool.ref_count(b) == 1]
+        private = [b for b in seq.k_blocks if self._ref(b) == 1]
         self._clear_positions(private)
-        self.pool.free(seq.k_blocks)
-        self.pool.free([b for b in seq.v_blocks if b != self.null_block])
+        self._release(seq.k_blocks)
+        self._release([b for b in seq.v_blocks if b != self.null_block])
         for i in reversed(range(len(seq.block_keys))):
             entry = self.prefix.get(seq.block_keys[i]) if self.prefix is not None else None
             mine = entry is not None and entry.k_block == seq.k_blocks[i]
-            if mine and self.pool.ref_count(entry.k_block) == 1:
-                self.eviction.release(entry.key)
+            if mine and self._ref(entry.k_block) == 1:
+                self._mark_evictable(entry)
         seq.k_blocks, seq.v_blocks, seq.num_slots, seq.block_keys = [], [], 0, []
 
     def _allocate(self, n: int) -> list[int]:
@@ -277,10 +222,12 @@ class KVCache:
         if key is None or self.prefix is None:
             raise NoFreeBlocks("no evictable cached block")
         entry = self.prefix.remove(key)
+        self._set_idle(entry, -1)
+        self._cold.pop(key, None)
         if self.sink is not None:  # the disk tier decides whether the block deserves the disk
             self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(key)))
         self._clear_positions([entry.k_block])
-        self.pool.free([entry.k_block, entry.v_block])
+        self._release([entry.k_block, entry.v_block])
         self.eviction.forget(key)
 
     # ---- prefix cache ------------------------------------------------------------------------
@@ -298,7 +245,9 @@ class KVCache:
 
     def evictable_among(self, entries: list[CachedBlock]) -> int:
         """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
-        return 2 * sum(1 for e in entries if e.key in self.eviction)
+        evictable = [e for e in entries if e.key in self.eviction]
+        handles = [b for e in evictable for b in (e.k_block, e.v_block) if b < 0]
+        return sum(2 - _handles(e) for e in evictable) + self.store.hosts_pinned_by(handles)
 
     def attach(self, seq: SeqKV, entries: list[CachedBlock], queried_tokens: int) -> int:
         """Share ``entries`` as the start of an empty sequence; returns the tokens they cover."""
@@ -306,8 +255,10 @@ class KVCache:
             raise ValueError("a prefix attaches to an empty sequence only")
         self._clock += 1
         for e in entries:
-            self.pool.incref([e.k_block, e.v_block])
-            self.eviction.acquire(e.key)
+            self._incref([e.k_block, e.v_block])
+            if self.eviction.acquire(e.key):
+                self._set_idle(e, -1)
+                self._cold.pop(e.key, None)
             self.eviction.touch(e.key, self._clock)
         seq.k_blocks = [e.k_block for e in entries]
         seq.v_blocks = [e.v_block for e in entries]
@@ -331,14 +282,14 @@ class KVCache:
             if key in self.prefix or seq.v_blocks[b] == self.null_block:
                 continue
             self.prefix.insert(CachedBlock(key, parent, block_tokens, seq.k_blocks[b], seq.v_blocks[b]))
-            self.pool.incref([seq.k_blocks[b], seq.v_blocks[b]])
+            self._incref([seq.k_blocks[b], seq.v_blocks[b]])
             self.eviction.touch(key, self._clock)
             added += 1
         return added
 
     def entry_payload(self, entry: CachedBlock) -> bytes:
         """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
-        pair = torch.stack([self.kv[:, entry.k_block], self.kv[:, entry.v_block]])
+        pair = torch.stack([self._block_data(entry.k_block), self._block_data(entry.v_block)])
         return pair.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
     def load_entry(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], payload: bytes) -> bool:
@@ -354,9 +305,10 @@ class KVCache:
         k_block, v_block = self._allocate(2)
         self.kv[:, k_block] = pair[0].to(self.kv.device)
         self.kv[:, v_block] = pair[1].to(self.kv.device)
-        self.prefix.insert(CachedBlock(key, parent, tokens, k_block, v_block))
+        entry = CachedBlock(key, parent, tokens, k_block, v_block)
+        self.prefix.insert(entry)
         self.eviction.touch(key, self._clock)
-        self.eviction.release(key)  # the index's reference only: evictable until someone hits it
+        self._mark_evictable(entry)  # the index's reference only: evictable until someone hits it
         return True
 
     def offer_all(self) -> int:
@@ -368,16 +320,81 @@ class KVCache:
             self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(entry.key)))
         return len(entries)
 
+    # ---- compression (``cache.compress``) ---------------------------------------------------
+    def compress_cold(self, bits: int, group: int, cold_after: float, limit: int,
+                      now: float | None = None) -> CompressResult:
+        """Compress up to ``limit`` blocks of evictable prefix entries unused for ``cold_after``
+        seconds, the longest unused first."""
+        return compress_cold_entries(self, block_codecs(*self._codec_dims, bits, group), cold_after,
+                                     limit, time.monotonic() if now is None else now)
+
+    def compress_tables(self, seqs: list[SeqKV], eligible: list[int], bits: int, group: int,
+                        limit: int) -> CompressResult:
+        """Compress blocks ``[0, eligible[i])`` of ``seqs[i]`` (K and V tables), at most ``limit``.
+        ``seqs`` must list every sequence holding blocks: a block is compressed only when its
+        holders there plus the prefix index account for all its references."""
+        return compress_seq_blocks(self, seqs, eligible, block_codecs(*self._codec_dims, bits, group), limit)
+
+    @property
+    def _codec_dims(self) -> tuple[int, int, int]:
+        return self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim
+
+    @property
+    def num_compressed(self) -> int:
+        """Blocks stored compressed (K and V counted apart)."""
+        return len(self.store)
+
+    @property
+    def compressed_bytes(self) -> int:
+        """Encoded bytes of the compressed blocks (the arenas' pool blocks hold them)."""
+        return self.store.stored_bytes
+
     def set_eviction_k(self, k: int) -> None:
         """Live LRU-K change: cached blocks and their history stay."""
         self.eviction.set_k(k)
 
     def _clear_positions(self, blocks: list[int]) -> None:
+        blocks = [b for b in blocks if b >= 0]  # compressed blocks keep no positions
         if blocks:
             bs = self.spec.block_size
             idx = (torch.tensor(blocks, device=self.pos.device)[:, None] * bs
                    + torch.arange(bs, device=self.pos.device)).view(-1)
             self.pos.index_fill_(1, idx, -1)
+
+    # ---- reference counts over pool blocks and compressed handles ---------------------------
+    def _ref(self, block: int) -> int:
+        return self.pool.ref_count(block) if block >= 0 else self.store.ref_count(block)
+
+    def _incref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b >= 0:
+                self.pool.incref([b])
+            else:
+                self.store.incref(b)
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference per entry; an arena emptied by it gives its hosts back to the pool."""
+        self.pool.free([b for b in blocks if b >= 0])
+        for h in blocks:
+            if h < 0:
+                self.pool.free(self.store.free(h))
+
+    def _block_data(self, block: int) -> Tensor:
+        """One block over all layers [L, bs, Hkv, D] (decoded when compressed)."""
+        return self.kv[:, block] if block >= 0 else self.store.decode_block(block)
+
+    def _mark_evictable(self, entry: CachedBlock) -> None:
+        self.eviction.release(entry.key)
+        self._set_idle(entry, 1)
+        if _handles(entry) < 2:
+            self._cold[entry.key] = time.monotonic()
+
+    def _set_idle(self, entry: CachedBlock, delta: int) -> None:
+        """An entry became evictable (+1) or stopped being so (-1): count its compressed blocks."""
+        for b in (entry.k_block, entry.v_block):
+            if b < 0:
+                self.store.set_idle(b, delta)
+                self._evictable_handles += delta
 
     def slot_index(self, blocks: list[int], slots: Tensor) -> Tensor:
         """Flat pool index of slot numbers ``slots`` (any shape) through a block table."""
@@ -405,14 +422,40 @@ class KVCache:
 
     def slot_positions(self, seq: SeqKV) -> Tensor:
         """Absolute positions in the sequence's K slots: [L, Hkv, num_slots] int32 (-1 = empty)."""
-        slots = torch.arange(seq.num_slots, device=self.pos.device)
-        idx = self.slot_index(seq.k_blocks, slots)
-        return self.pos[:, idx, :].permute(0, 2, 1)
+        bs, n = self.spec.block_size, seq.num_slots
+        slots = torch.arange(n, device=self.pos.device)
+        idx = self.slot_index([self.null_block if b < 0 else b for b in seq.k_blocks], slots)
+        out = self.pos[:, idx, :]
+        for i, b in enumerate(seq.k_blocks[: -(-n // bs)]):
+            if b < 0:  # a compressed block holds consecutive positions from its first one
+                first = self.store.first_pos(b) or 0
+                end = min(bs, n - i * bs)
+                out[:, i * bs:i * bs + end, :] = torch.arange(first, first + end, dtype=out.dtype,
+                                                              device=out.device)[None, :, None]
+        return out.permute(0, 2, 1)
 
     def read_values(self, seq: SeqKV) -> Tensor:
         """The sequence's values as [L, Hkv, num_slots, D] fp32 on the CPU (for retention's merge)."""
-        idx = self.slot_index(seq.v_blocks, torch.arange(seq.num_slots, device=self.kv.device))
-        return self.kv_flat[:, idx].permute(0, 2, 1, 3).float().cpu()
+        return torch.stack([self.read_table(seq.v_blocks, layer, seq.num_slots)
+                            for layer in range(self.spec.num_layers)]).permute(0, 2, 1, 3).float().cpu()
+
+    # ---- reading through compressed blocks ------------------------------------------------
+    def gather_plan(self, table: list[int]) -> GatherPlan:
+        """Precomputed gather of a block table (once per step); see ``gather``."""
+        return self.store.plan(table, self.null_block, self.kv.device)
+
+    def gather(self, layer: int, plan: GatherPlan) -> Tensor:
+        """Layer ``layer`` of the planned blocks: [len(table), bs, Hkv, D] in the cache dtype, compressed
+        blocks dequantized (a fresh tensor: callers may write it)."""
+        return self.store.gather(self.kv[layer], layer, plan)
+
+    def read_table(self, table: list[int], layer: int, num_slots: int,
+                   plan: GatherPlan | None = None) -> Tensor:
+        """Slots ``[0, num_slots)`` of a block table in one layer: [num_slots, Hkv, D]."""
+        spec = self.spec
+        plan = plan or self.gather_plan(table[: -(-num_slots // spec.block_size)])
+        rows = self.gather(layer, plan)
+        return rows.view(-1, spec.num_kv_heads, spec.head_dim)[:num_slots]
 
     def rewrite(self, seq: SeqKV, order: Tensor, n_key: int, base: int = 0) -> int:
         """Keep, per (layer, KV head), the slots ``order[L, Hkv, n_new]`` lists, in that order. The
@@ -421,7 +464,7 @@ class KVCache:
         become the null block). Tail blocks go back to the pool now; returns blocks freed (net)."""
         spec, dev, bs = self.spec, self.kv.device, self.spec.block_size
         n_new = order.shape[-1]
-        if base % bs or any(self.pool.ref_count(b) > 1 for b in seq.k_blocks[base // bs:]):
+        if base % bs or any(self._ref(b) > 1 or b < 0 for b in seq.k_blocks[base // bs:]):
             raise ValueError("retention may rewrite only a sequence's private blocks after its prefix")
         src = order[..., base:].to(dev)
         layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
@@ -435,7 +478,7 @@ class KVCache:
         tail_k, tail_v = seq.k_blocks[nb:], seq.v_blocks[nb:]
         del seq.k_blocks[nb:], seq.v_blocks[nb:]
         self._clear_positions(tail_k)
-        self.pool.free(tail_k + [b for b in tail_v if b != self.null_block])
+        self._release(tail_k + [b for b in tail_v if b != self.null_block])
         self._set_null_entries(seq, base // bs, (base + n_key) // bs)
 
         dst = torch.arange(base, n_new, device=dev).expand_as(src)
@@ -455,7 +498,12 @@ class KVCache:
             block = seq.v_blocks[i]
             is_null = block == self.null_block
             if i < hole and not is_null:
-                self.pool.free([block])
+                self._release([block])
                 seq.v_blocks[i] = self.null_block
             elif i >= hole and is_null:
                 seq.v_blocks[i] = self._allocate(1)[0]
+
+
+def _handles(entry: CachedBlock) -> int:
+    """How many of a prefix entry's two blocks are compressed."""
+    return (entry.k_block < 0) + (entry.v_block < 0)

@@ -117,5 +117,11 @@ class PrefixIndex:
             raise ValueError("block key registered twice")
         self._entries[entry.key] = entry
 
+    def replace(self, entry: CachedBlock) -> None:
+        """Point a registered key at other storage of the same block (its compressed copy)."""
+        if entry.key not in self._entries:
+            raise KeyError("replace of a block key that is not registered")
+        self._entries[entry.key] = entry
+
     def remove(self, key: bytes) -> CachedBlock:
         return self._entries.pop(key)

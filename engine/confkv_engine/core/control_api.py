@@ -21,6 +21,8 @@ SIZE_FIELD = "confkv.maxCacheSize"
 #: Fields the retention manager reads when a request is admitted: live (running requests keep theirs).
 RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.sinks", "confkv.window",
                     "confkv.budget", "confkv.budgetTokens", "confkv.budgetMode")
+#: The live compression settings (enabled, bits, groupSize, coldAfterSeconds).
+COMPRESSION_FIELD = "confkv.compression"
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class EngineStats:
     disk_spilled: int = 0  # evicted blocks written to disk since start
     disk_loaded: int = 0  # blocks read back from disk into the prefix cache
     rebuild_records_skipped: int = 0  # torn or corrupt records the index rebuilds skipped
+    kv_blocks_compressed: int = 0  # K or V blocks stored quantized inside pool memory
+    kv_bytes_compressed: int = 0  # their encoded bytes (scales and minimums included)
 
 
 class PolicyRejected(ValueError):

@@ -26,13 +26,16 @@ from typing import Any
 
 import torch
 
-from confkv_api.config import ConfKVConfig, ConfKVSection, parse_size
+from confkv_api.config import CompressionSection, ConfKVConfig, ConfKVSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
-from confkv_engine.cache.kv_cache import CacheSpec, KVCache, resolve_cache_bytes
+from confkv_engine.cache.arena import block_codecs
+from confkv_engine.cache.kv_cache import CacheSpec, CompressResult, KVCache, resolve_cache_bytes
 from confkv_engine.cache.offload import DiskTier
 from confkv_engine.core import sampling
+from confkv_engine.core.compression import BLOCKS_PER_PASS, CompressionWorker, compress_blocks, encode_stream
 from confkv_engine.core.control_api import (
     BATCH_FIELD,
+    COMPRESSION_FIELD,
     EVICTION_FIELD,
     RETENTION_FIELDS,
     SIZE_FIELD,
@@ -107,6 +110,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.num_finished = 0
+        self.compression = config.confkv.compression  # live: see apply_policy
+        self._compressor: CompressionWorker | None = None
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -347,10 +352,10 @@ class LLMEngine:
             self.scheduler.max_batch_size = n
 
     def live_fields(self) -> list[str]:
-        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD, SIZE_FIELD]
+        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD, SIZE_FIELD, COMPRESSION_FIELD]
 
     def capabilities(self) -> list[str]:
-        caps = ["prefix-cache", "warmup"] if self.cache.prefix is not None else []
+        caps = ["compress"] + (["prefix-cache", "warmup"] if self.cache.prefix is not None else [])
         return caps + (["rebuild-index"] if self.disk is not None else [])
 
     def _resize(self, max_cache_size: str | None) -> None:
@@ -374,7 +379,8 @@ class LLMEngine:
         return self.disk.hot_prefixes(n) if self.disk is not None else []
 
     def close(self) -> None:
-        """Release what outlives requests (the disk tier's writer and index)."""
+        """Release what outlives requests (the compression worker, the disk tier's writer and index)."""
+        self.stop_compression()
         if self.disk is not None:
             with self._lock:
                 self.cache.offer_all()
@@ -391,6 +397,9 @@ class LLMEngine:
                 self.retention.check(retention)
             except ValueError as err:
                 raise PolicyRejected(f"invalid policy: {err}") from None
+        compression = None
+        if any(p.startswith(COMPRESSION_FIELD) for p in changed):
+            compression = self._checked_compression(confkv.compression)
         if max_batch_size < 1:
             raise PolicyRejected(f"invalid policy: maxBatchSize must be >= 1, got {max_batch_size}")
         with self._lock:  # the engine steps under this lock: the change lands between two steps
@@ -403,6 +412,8 @@ class LLMEngine:
             if any(p.startswith(EVICTION_FIELD) for p in changed):
                 ev = confkv.eviction
                 self.cache.set_eviction_k(ev.k if ev.policy == "LRU-K" else 1)
+        if compression is not None:  # outside the lock: stopping the worker waits for its pass
+            self._set_compression(compression)
 
     # ---- conveniences ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]],
@@ -438,7 +449,9 @@ class LLMEngine:
                 prefix_hit_ratio_window=self.cache.hits.window_ratio(),
                 kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
                 kv_bytes_reclaimable=self.cache.reclaimable_bytes,
-                eviction_k=self.cache.eviction.k, **self._disk_stats())
+                eviction_k=self.cache.eviction.k, **self._disk_stats(),
+                kv_blocks_compressed=self.cache.num_compressed,
+                kv_bytes_compressed=self.cache.compressed_bytes)
 
     def _disk_stats(self) -> dict[str, int]:
         if self.disk is None:
@@ -446,3 +459,53 @@ class LLMEngine:
         s = self.disk.refresh_stats()
         return {"disk_records": s.records, "disk_bytes": s.bytes_used, "disk_spilled": s.spilled,
                 "disk_loaded": s.loaded, "rebuild_records_skipped": s.rebuild_skipped}
+
+    # ---- compression (``core.compression``) -------------------------------------------------
+    def compress(self, bits: int | None = None, force: bool = False) -> CompressResult:
+        """Compress KV blocks now with ``bits`` (default: the config's). Not forced: evictable cached
+        blocks unused for coldAfterSeconds. Forced: every evictable cached block, then running
+        requests' blocks outside the recent window. Pool blocks it frees are usable at once."""
+        cfg = self.compression
+        bits = cfg.bits if bits is None else bits
+        if bits not in (8, 4):
+            raise InvalidRequest(f"compression bits must be 8 or 4, got {bits}", param="bits")
+        with self._lock, torch.inference_mode():
+            return compress_blocks(self.cache, list(self.scheduler.running), bits, cfg.group_size,
+                                   cfg.cold_after_seconds, force, limit=self.cache.pool.num_blocks * 2)
+
+    def start_compression(self) -> None:
+        """Start the background worker (compresses cold cached blocks); a no-op when compression is
+        disabled in the config, and it starts later if a live change enables it."""
+        if self._compressor is None:
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self._compressor = CompressionWorker(lambda: self._compression_pass(stream))
+        if self.compression.enabled:
+            self._compressor.start()
+
+    def stop_compression(self) -> None:
+        """Stop the background worker and wait for it (a pass in progress completes first)."""
+        if self._compressor is not None:
+            self._compressor.stop()
+            self._compressor = None
+
+    def _compression_pass(self, stream: torch.cuda.Stream | None) -> CompressResult:
+        cfg = self.compression
+        with self._lock, torch.inference_mode(), encode_stream(self.device, stream):
+            return self.cache.compress_cold(cfg.bits, cfg.group_size, cfg.cold_after_seconds, BLOCKS_PER_PASS)
+
+    def _checked_compression(self, cfg: CompressionSection) -> CompressionSection:
+        spec = self.cache.spec
+        try:
+            block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, cfg.bits, cfg.group_size)
+        except ValueError as err:
+            raise PolicyRejected(f"invalid policy: {err}") from None
+        return cfg
+
+    def _set_compression(self, cfg: CompressionSection) -> None:
+        """Live compression settings (checked by ``_checked_compression``); the worker follows ``enabled``."""
+        self.compression = cfg
+        if self._compressor is not None:
+            if cfg.enabled:
+                self._compressor.start()
+            else:
+                self._compressor.stop()

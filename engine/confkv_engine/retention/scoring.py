@@ -23,10 +23,10 @@ def score_pending(cache: KVCache, seq: SeqKV, state: RetentionState) -> None:
     queries, q_pos = recorded  # per layer [T, Hq, D]; [T]
     spec, dev = cache.spec, cache.kv.device
     hkv, d, g, n, t = spec.num_kv_heads, spec.head_dim, state.group, state.num_slots, q_pos.numel()
-    idx = cache.slot_index(seq.k_blocks, torch.arange(n, device=dev))  # [n]
+    plan = cache.gather_plan(seq.k_blocks[: -(-n // spec.block_size)])  # compressed keys decode on read
     hidden = state.pos.to(dev)[:, :, None, :] > q_pos.to(dev)[None, None, :, None]  # [L, Hkv, T, n]
     for layer, q in enumerate(queries):
-        keys = cache.kv_flat[layer, idx].transpose(0, 1).float()  # [Hkv, n, D]
+        keys = cache.read_table(seq.k_blocks, layer, n, plan).transpose(0, 1).float()  # [Hkv, n, D]
         qg = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
         scores = torch.bmm(qg, keys.transpose(1, 2)).view(hkv, g, t, n) / math.sqrt(d)
         probs = scores.masked_fill(hidden[layer][:, None], float("-inf")).softmax(-1).sum(1)  # [Hkv, T, n]

@@ -1,0 +1,231 @@
+"""Quantized KV blocks stored inside pool memory: arenas of encoded slots and negative block handles.
+
+A compressed block never leaves the pool's tensor. Each **arena** (one per kind K|V and codec
+settings) owns some pool blocks, its *hosts*, and reads their bytes as one stream: the kv tensor's
+bytes of one (layer, pool block) are contiguous (``kv.view(uint8)`` is ``[L, NB, host_bytes]``), so
+an arena's layer-l stream is the concatenation of its hosts' layer-l bytes. Slot ``s`` holds one
+encoded block, each layer's encoding (``CodecSpec`` on the per-layer shape ``[bs, Hkv, D]``) at the
+same virtual offset ``s * slot_bytes`` of that layer's stream. A slot may straddle two hosts, so
+byte addresses are computed with tensors (host ``hosts[v // host_bytes]``, offset ``v % host_bytes``)
+and the saving is the codec's exact byte ratio, with no rounding to whole pool blocks.
+
+The arena grows one host at a time when it runs out of slots, and hands *all* its hosts back to
+the pool when its last slot is freed. Slots never move (a handle stays valid while referenced), so a
+fragmented arena keeps its hosts until it empties; the lowest free slot is reused first, which keeps
+the live slots packed at the start of the stream.
+
+**Handles.** A table entry (``SeqKV.k_blocks``, ``CachedBlock.k_block``) is a pool block id (>= 0) or
+a handle (< 0) naming (arena, slot). Handles are counted references like pool blocks: the store
+keeps their counts and frees the slot at zero. Handle numbers are never reused, so a stale handle
+can never alias a newer block. A K handle also remembers the position of its first token: only
+blocks whose slots hold consecutive positions are compressed, so positions need no storage.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from confkv_engine.cache.codec import CodecSpec, decode_rows
+
+
+def block_codecs(block_size: int, num_kv_heads: int, head_dim: int, bits: int,
+                 group: int) -> tuple[CodecSpec, CodecSpec]:
+    """Per-layer codec specs (keys, values) for ``[block_size, Hkv, D]`` blocks.
+
+    Keys are grouped per channel along tokens, values per token along head_dim (as
+    ``codec.key_spec`` / ``value_spec``). ``group`` is the value group; a key group cannot span more
+    than one block's tokens, so keys use ``min(group, block_size)``.
+    """
+    shape = (block_size, num_kv_heads, head_dim)
+    if head_dim % min(group, head_dim):
+        raise ValueError(f"compression groupSize {group} must divide head_dim {head_dim} "
+                         f"(or be at least {head_dim})")
+    k_group = min(group, block_size)
+    if block_size % k_group:
+        raise ValueError(f"compression groupSize {group} must divide the block size {block_size} "
+                         f"(or be at least {block_size})")
+    return (CodecSpec(shape, bits, axis=0, group=k_group),
+            CodecSpec(shape, bits, axis=-1, group=min(group, head_dim)))
+
+
+@dataclass
+class Arena:
+    """Encoded slots of one codec spec in the byte stream of its host pool blocks."""
+
+    spec: CodecSpec
+    host_bytes: int
+    hosts: list[int] = field(default_factory=list)
+    live: int = 0
+    idle: int = 0  # live slots held only by evictable prefix entries (evicting them all empties it)
+    _free: list[int] = field(default_factory=list)  # heap of free slot numbers
+    _hosts_t: Tensor | None = None
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.spec.nbytes
+
+    @property
+    def capacity(self) -> int:
+        return len(self.hosts) * self.host_bytes // self.slot_bytes
+
+    def take_slot(self, allocate_host: Callable[[], int]) -> int:
+        """The lowest free slot, growing by one host block (from ``allocate_host``) when full."""
+        if not self._free:
+            before = self.capacity
+            self.hosts.append(allocate_host())
+            self._hosts_t = None
+            for s in range(before, self.capacity):
+                heapq.heappush(self._free, s)
+        self.live += 1
+        return heapq.heappop(self._free)
+
+    def release_slot(self, slot: int) -> list[int]:
+        """Free ``slot``; returns the hosts to give back to the pool (all of them when it empties)."""
+        self.live -= 1
+        heapq.heappush(self._free, slot)
+        if self.live:
+            return []
+        hosts, self.hosts, self._free, self._hosts_t, self.idle = self.hosts, [], [], None, 0
+        return hosts
+
+    def byte_index(self, slots: Tensor) -> Tensor:
+        """Flat indices into a layer's ``[NB * host_bytes]`` bytes: [len(slots) * slot_bytes]."""
+        if self._hosts_t is None or self._hosts_t.device != slots.device:
+            self._hosts_t = torch.tensor(self.hosts, dtype=torch.long, device=slots.device)
+        v = (slots[:, None] * self.slot_bytes + torch.arange(self.slot_bytes, device=slots.device)).view(-1)
+        return self._hosts_t[v // self.host_bytes] * self.host_bytes + v % self.host_bytes
+
+
+@dataclass(frozen=True)
+class _Handle:
+    arena: Arena
+    slot: int
+    first_pos: int | None  # K blocks: position of slot 0 (the block holds first_pos + 0..bs-1)
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """How to gather a table of blocks: pool ids (compressed entries read the null block), then each
+    arena's compressed rows decoded over them: (spec, rows in the table, byte indices)."""
+
+    table: Tensor
+    groups: tuple[tuple[CodecSpec, Tensor, Tensor], ...]
+
+
+class CompressedStore:
+    """Arenas and handle reference counts over a pool tensor ``kv[L, NB, bs, Hkv, D]``."""
+
+    def __init__(self, kv: Tensor) -> None:
+        self.num_layers, num_blocks = kv.shape[0], kv.shape[1]
+        self.host_bytes = kv[0, 0].numel() * kv.element_size()
+        self.bytes = kv.view(torch.uint8).view(self.num_layers, num_blocks * self.host_bytes)
+        self.dtype = kv.dtype
+        self.arenas: dict[CodecSpec, Arena] = {}
+        self._handles: dict[int, _Handle] = {}
+        self._refs: dict[int, int] = {}
+        self._next = -1
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    @property
+    def num_hosts(self) -> int:
+        return sum(len(a.hosts) for a in self.arenas.values())
+
+    @property
+    def reclaimable_hosts(self) -> int:
+        """Hosts that evicting every evictable entry would give back: those of arenas whose live
+        slots are all held only by evictable entries."""
+        return sum(len(a.hosts) for a in self.arenas.values() if a.live and a.idle == a.live)
+
+    def set_idle(self, handle: int, delta: int) -> None:
+        """``handle``'s only holder became evictable (+1) or stopped being so (-1)."""
+        self._handles[handle].arena.idle += delta
+
+    def hosts_pinned_by(self, handles: list[int]) -> int:
+        """Reclaimable hosts that would stop being reclaimable if ``handles`` were shared now."""
+        arenas = {id(a): a for a in (self._handles[h].arena for h in handles)}
+        return sum(len(a.hosts) for a in arenas.values() if a.live and a.idle == a.live)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Encoded bytes of live compressed blocks (all layers)."""
+        return sum(a.live * a.slot_bytes for a in self.arenas.values()) * self.num_layers
+
+    def put(self, rows: Tensor, spec: CodecSpec, refs: int, first_pos: int | None,
+            allocate_host: Callable[[], int]) -> int:
+        """Store one encoded block (rows [L, spec.nbytes]) with ``refs`` references; returns its handle."""
+        arena = self.arenas.get(spec)
+        if arena is None:
+            arena = self.arenas[spec] = Arena(spec, self.host_bytes)
+        slot = arena.take_slot(allocate_host)
+        self.bytes.index_copy_(1, arena.byte_index(torch.tensor([slot], device=self.bytes.device)),
+                               rows.to(self.bytes.device).reshape(self.num_layers, -1))
+        handle, self._next = self._next, self._next - 1
+        self._handles[handle] = _Handle(arena, slot, first_pos)
+        self._refs[handle] = refs
+        return handle
+
+    def ref_count(self, handle: int) -> int:
+        return self._refs.get(handle, 0)
+
+    def incref(self, handle: int) -> None:
+        if self._refs.get(handle, 0) <= 0:
+            raise ValueError(f"compressed block {handle} is free; cannot share it")
+        self._refs[handle] += 1
+
+    def free(self, handle: int) -> list[int]:
+        """Drop one reference; returns the pool blocks an emptied arena hands back."""
+        if self._refs.get(handle, 0) <= 0:
+            raise ValueError(f"compressed block {handle} freed twice")
+        self._refs[handle] -= 1
+        if self._refs[handle]:
+            return []
+        del self._refs[handle]
+        h = self._handles.pop(handle)
+        return h.arena.release_slot(h.slot)
+
+    def first_pos(self, handle: int) -> int | None:
+        return self._handles[handle].first_pos
+
+    def nbytes(self, handle: int) -> int:
+        return self._handles[handle].arena.slot_bytes * self.num_layers
+
+    def plan(self, table: list[int], null_block: int, device: torch.device) -> GatherPlan:
+        """Gather plan of a table; no work beyond one tensor when nothing in it is compressed."""
+        if all(b >= 0 for b in table):
+            return GatherPlan(torch.tensor(table, dtype=torch.long, device=device), ())
+        by_arena: dict[CodecSpec, tuple[list[int], list[int]]] = {}
+        for row, b in enumerate(table):
+            if b < 0:
+                h = self._handles[b]
+                rows, slots = by_arena.setdefault(h.arena.spec, ([], []))
+                rows.append(row)
+                slots.append(h.slot)
+        groups = tuple(
+            (spec, torch.tensor(rows, dtype=torch.long, device=device),
+             self.arenas[spec].byte_index(torch.tensor(slots, dtype=torch.long, device=device)))
+            for spec, (rows, slots) in by_arena.items())
+        pool_ids = [b if b >= 0 else null_block for b in table]
+        return GatherPlan(torch.tensor(pool_ids, dtype=torch.long, device=device), groups)
+
+    def gather(self, blocks: Tensor, layer: int, plan: GatherPlan) -> Tensor:
+        """``blocks`` = kv[layer] ([NB, bs, Hkv, D]) gathered through the plan, compressed rows decoded:
+        one index_select, then per arena one byte gather and one batched decode."""
+        out = blocks.index_select(0, plan.table)
+        for spec, rows, index in plan.groups:
+            raw = self.bytes[layer].index_select(0, index).view(rows.numel(), spec.nbytes)
+            out.index_copy_(0, rows, decode_rows(raw, spec, dtype=out.dtype))
+        return out
+
+    def decode_block(self, handle: int) -> Tensor:
+        """All layers of one compressed block: [L, bs, Hkv, D] in the pool's dtype."""
+        h = self._handles[handle]
+        index = h.arena.byte_index(torch.tensor([h.slot], device=self.bytes.device))
+        raw = self.bytes[:, index]  # [L, slot_bytes]
+        return decode_rows(raw, h.arena.spec, dtype=self.dtype)

@@ -1,0 +1,138 @@
+"""Choosing and compressing KV blocks: the procedures behind ``KVCache.compress_cold`` / ``compress_tables``.
+
+A pool block is compressed only when every one of its references is known and rewritten at once
+(table entries of the given sequences, and the prefix entry that holds it): its reference count
+must equal that number, otherwise someone else (a sequence not listed) still reads it by id and
+it is left alone. Compressing a block encodes it (a copy), frees the pool block, then writes the
+encoding into an arena slot; the pool block is freed *before* the arena asks for a host, so an
+arena's growth is served by the block just freed and compression never evicts a cached entry.
+
+K blocks are compressed only when their slots hold consecutive positions in every (layer, head):
+that is true of full blocks of requests without retention and of prefix entries, and it means a
+compressed K block needs no position metadata (``KVCache.slot_positions`` regenerates it). A block
+holding values the codec refuses (inf, nan, beyond fp16) stays uncompressed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from confkv_engine.cache.arena import CompressedStore
+from confkv_engine.cache.block_pool import BlockPool
+from confkv_engine.cache.codec import CodecSpec, encode_rows
+from confkv_engine.cache.eviction import LRUK
+from confkv_engine.cache.layout import CacheSpec, CompressResult, SeqKV
+from confkv_engine.cache.prefix import CachedBlock, PrefixIndex
+
+Holder = tuple[list[int], int]  # (a block table, index in it)
+
+
+class KVCache(Protocol):
+    """The parts of ``kv_cache.KVCache`` compression reads and writes (it is the only implementation)."""
+
+    spec: CacheSpec
+    pool: BlockPool
+    store: CompressedStore
+    kv: Tensor
+    pos: Tensor
+    prefix: PrefixIndex | None
+    eviction: LRUK
+    null_block: int
+    _cold: dict[bytes, float]
+    _evictable_handles: int
+
+    def _clear_positions(self, blocks: list[int]) -> None: ...
+
+    def _allocate(self, n: int) -> list[int]: ...
+
+
+def compress_cold_entries(cache: KVCache, specs: tuple[CodecSpec, CodecSpec], cold_after: float,
+                          limit: int, now: float) -> CompressResult:
+    used = cache.pool.num_used
+    done = 0
+    for key, released in list(cache._cold.items()):
+        if done >= limit or released > now - cold_after:
+            break  # oldest first: the rest were released later
+        del cache._cold[key]
+        entry = cache.prefix.get(key) if cache.prefix is not None else None
+        if entry is None:
+            continue
+        for kind in ("k", "v"):
+            entry = cache.prefix.get(key)
+            block = entry.k_block if kind == "k" else entry.v_block
+            done += compress_block(cache, kind, block, [], entry, specs[kind == "v"])
+    return _result(cache, done, used)
+
+
+def compress_seq_blocks(cache: KVCache, seqs: list[SeqKV], eligible: list[int],
+                        specs: tuple[CodecSpec, CodecSpec], limit: int) -> CompressResult:
+    used = cache.pool.num_used
+    holders: dict[int, list[Holder]] = {}
+    entry_keys: dict[int, bytes] = {}  # pool block -> key of the prefix entry holding it
+    for s in seqs:
+        for table in (s.k_blocks, s.v_blocks):
+            for i, b in enumerate(table):
+                holders.setdefault(b, []).append((table, i))
+        for key in s.block_keys:
+            entry = cache.prefix.get(key) if cache.prefix is not None else None
+            if entry is not None:
+                entry_keys[entry.k_block] = entry_keys[entry.v_block] = key
+    done = 0
+    for s, n in zip(seqs, eligible, strict=True):
+        for i in range(min(n, len(s.k_blocks))):
+            for kind, table in (("k", s.k_blocks), ("v", s.v_blocks)):
+                if done >= limit:
+                    return _result(cache, done, used)
+                b = table[i]
+                key = entry_keys.get(b)
+                entry = cache.prefix.get(key) if key is not None and cache.prefix is not None else None
+                if entry is not None and b != (entry.k_block if kind == "k" else entry.v_block):
+                    entry = None
+                done += compress_block(cache, kind, b, holders.get(b, []), entry, specs[kind == "v"])
+    return _result(cache, done, used)
+
+
+def compress_block(cache: KVCache, kind: str, block: int, holders: list[Holder],
+                   entry: CachedBlock | None, spec: CodecSpec) -> int:
+    """Compress pool block ``block`` (``kind`` "k" or "v"), referenced by ``holders`` and ``entry`` (its
+    prefix entry, if any); returns 1 when it was compressed, 0 when it is left as it is."""
+    refs = len(holders) + (entry is not None)
+    if block < 0 or block == cache.null_block or refs == 0 or cache.pool.ref_count(block) != refs:
+        return 0
+    first_pos = _consecutive_start(cache, block) if kind == "k" else None
+    if kind == "k" and first_pos is None:
+        return 0
+    try:
+        rows = encode_rows(cache.kv[:, block], spec)  # a copy: the pool block may be reused below
+    except ValueError:
+        return 0
+    cache._clear_positions([block])
+    cache.pool.free([block] * refs)
+    handle = cache.store.put(rows, spec, refs, first_pos, lambda: cache._allocate(1)[0])
+    for table, i in holders:
+        table[i] = handle
+    if entry is not None:
+        updated = replace(entry, k_block=handle) if kind == "k" else replace(entry, v_block=handle)
+        cache.prefix.replace(updated)
+        if entry.key in cache.eviction:  # still evictable: now through its compressed copy
+            cache.store.set_idle(handle, 1)
+            cache._evictable_handles += 1
+    return 1
+
+
+def _consecutive_start(cache: KVCache, block: int) -> int | None:
+    """The first position of a block whose slots hold ``p, p+1, ...`` in every (layer, head), else None."""
+    bs = cache.spec.block_size
+    pos = cache.pos[:, block * bs:(block + 1) * bs, :]
+    first = int(pos[0, 0, 0])
+    expected = torch.arange(first, first + bs, dtype=pos.dtype, device=pos.device)[None, :, None]
+    return first if first >= 0 and bool((pos == expected).all()) else None
+
+
+def _result(cache: KVCache, blocks: int, used_before: int) -> CompressResult:
+    freed = used_before - cache.pool.num_used
+    return CompressResult(blocks, freed, freed * cache.spec.block_bytes)

@@ -1,0 +1,108 @@
+"""The paged cache's value types: block layout (``CacheSpec``), pool budget, per-sequence tables.
+
+Kept apart from ``kv_cache.KVCache`` (which owns all the state) so the attention backend and the
+tests can name the layout without the cache's machinery; ``kv_cache`` re-exports every name.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("confkv.cache")
+
+DEFAULT_CPU_CACHE_BYTES = 1 << 30
+# On CPU the pool never takes more than half of the RAM available when the engine starts (a
+# fraction such as "80%" is of total RAM, then capped): the model, activations and the OS need
+# the rest. On CUDA it never takes more than 90% of the memory free after the model loaded.
+CPU_AVAILABLE_CAP = 0.5
+CUDA_FREE_CAP = 0.9
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (K or V for block_size tokens over all layers) incl. position metadata."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_slot = self.num_layers * self.num_kv_heads * (self.head_dim * elem + 4)
+        return per_slot * self.block_size
+
+
+def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.device) -> int:
+    """Byte budget of the pool from a parsed ``maxCacheSize`` (see ``confkv_api.config.parse_size``).
+
+    bytes: as given, but never more than the device can hold. Fraction: of free device memory on
+    CUDA (measured now, after the model was loaded); on CPU of total RAM. Unset: 90% of free memory
+    on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at 90% of free CUDA memory, or on
+    CPU at half the RAM available now (the model, activations and the OS need the rest): a size
+    the machine cannot hold is logged and capped rather than left to the OOM killer.
+    """
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        cap = int(CUDA_FREE_CAP * free)
+        if max_cache_size is None:
+            return cap
+        kind, value = max_cache_size
+        wanted = value if kind == "bytes" else value * free
+        return _capped(wanted, cap, f"{CUDA_FREE_CAP:.0%} of the free CUDA memory")
+    if max_cache_size is None:
+        return DEFAULT_CPU_CACHE_BYTES
+    import psutil
+
+    mem = psutil.virtual_memory()
+    kind, value = max_cache_size
+    wanted = value if kind == "bytes" else value * mem.total
+    return _capped(wanted, int(CPU_AVAILABLE_CAP * mem.available),
+                   f"{CPU_AVAILABLE_CAP:.0%} of the available RAM")
+
+
+def _capped(wanted: float, cap: int, what: str) -> int:
+    if wanted > cap:
+        log.warning("maxCacheSize asks for %d bytes, more than this machine can hold; the KV pool is "
+                    "capped at %d bytes (%s)", int(wanted), cap, what)
+        return cap
+    return int(wanted)
+
+
+@dataclass
+class SeqKV:
+    """One sequence's view of the pool (its tables are written by ``KVCache`` only)."""
+
+    # Entries are pool block ids (>= 0) or compressed-block handles (< 0, see ``arena``).
+    k_blocks: list[int] = field(default_factory=list)
+    v_blocks: list[int] = field(default_factory=list)
+    num_slots: int = 0  # slots used, the same in every (layer, KV head)
+    block_keys: list[bytes] = field(default_factory=list)  # chain keys of its leading full blocks
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """Where a step's new keys and values go: flat pool slot indices [T], in the step's token order."""
+
+    k_index: Tensor
+    v_index: Tensor
+
+
+@dataclass
+class CompressResult:
+    """What one compression call did. ``pool_blocks_freed`` is net of arena growth (hosts taken)."""
+
+    blocks: int = 0  # table blocks (K or V) now stored compressed
+    pool_blocks_freed: int = 0
+    bytes_freed: int = 0  # pool_blocks_freed x block_bytes (position metadata included)
+
+    def add(self, other: CompressResult) -> None:
+        self.blocks += other.blocks
+        self.pool_blocks_freed += other.pool_blocks_freed
+        self.bytes_freed += other.bytes_freed

@@ -1,0 +1,115 @@
+"""Compression of KV blocks in the engine: what gets compressed, and the background worker.
+
+**What.** First evictable prefix entries (no request references them) unused for
+``coldAfterSeconds``, the longest unused first: compressing them costs no request anything and
+keeps more prefixes cached in the same memory. When forced (the agent's remedy, or
+``LLMEngine.compress(force=True)``) the age limit is dropped and running requests' full blocks are
+compressed too, except the recent window: the last ``KEEP_RECENT_BLOCKS`` blocks of every sequence
+(its newest tokens get most of the attention and its last block is still being written). Requests
+under a retention policy keep their private blocks as they are (retention rewrites those slots in
+place); only their shared prefix region may be compressed.
+
+**Worker.** A daemon thread wakes every ``interval`` seconds and compresses at most
+``BLOCKS_PER_PASS`` cold blocks under the engine's lock, so a step waits at most for a few block
+encodes, never for a whole sweep. On CUDA the encode runs on a side stream that first waits for the
+compute stream (the last step's writes) and is synchronised before the lock is released (the freed
+pool blocks may be handed out by the next step); on CPU it runs inline. A live config change applies
+to blocks compressed from then on (compressed blocks keep the codec they were written with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+
+from confkv_engine.cache.kv_cache import CompressResult, KVCache, SeqKV
+
+log = logging.getLogger(__name__)
+
+KEEP_RECENT_BLOCKS = 2
+BLOCKS_PER_PASS = 8
+WAKE_SECONDS = 1.0
+
+
+class HoldsBlocks(Protocol):
+    """What compression needs of a running sequence (``core.sequence.Sequence``)."""
+
+    kv: SeqKV
+    prefix_len: int
+    retention: object | None
+
+
+def eligible_blocks(seq: HoldsBlocks, block_size: int) -> int:
+    """Leading blocks of a running sequence that forced compression may take (see the module doc)."""
+    written = -(-seq.kv.num_slots // block_size)
+    n = max(0, written - KEEP_RECENT_BLOCKS)
+    if seq.retention is not None:
+        n = min(n, seq.prefix_len // block_size)
+    return n
+
+
+def compress_blocks(cache: KVCache, running: list[HoldsBlocks], bits: int, group: int,
+                    cold_after: float, force: bool, limit: int) -> CompressResult:
+    """Cold evictable entries first, then (``force``) the running sequences' eligible blocks."""
+    result = cache.compress_cold(bits, group, 0.0 if force else cold_after, limit)
+    if force and result.blocks < limit:
+        bs = cache.spec.block_size
+        result.add(cache.compress_tables([s.kv for s in running], [eligible_blocks(s, bs) for s in running],
+                                         bits, group, limit - result.blocks))
+    return result
+
+
+@contextlib.contextmanager
+def encode_stream(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the enclosed encodes on ``stream`` (CUDA), ordered after the compute stream's work and
+    finished on exit; a no-op on CPU."""
+    if stream is None or device.type != "cuda":
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+class CompressionWorker:
+    """Calls ``run_pass`` every ``interval`` seconds on a daemon thread until ``stop``."""
+
+    def __init__(self, run_pass: Callable[[], CompressResult], interval: float = WAKE_SECONDS) -> None:
+        self._run_pass = run_pass
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.passes = 0
+        self.total = CompressResult()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="kv-compression", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the thread to finish and wait for it (a pass in progress completes first)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.total.add(self._run_pass())
+            except Exception:  # a failed pass must not kill serving; the next pass retries
+                log.exception("KV compression pass failed")
+            self.passes += 1

@@ -1,0 +1,246 @@
+"""Compressed KV blocks in the paged cache: exact round trip through the arenas, byte ratios, pool
+blocks freed at once, shared blocks, prefix hits and eviction of compressed entries, attention over
+compressed blocks, and the background worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from confkv_engine.attention.paged import PagedAttention
+from confkv_engine.cache.arena import block_codecs
+from confkv_engine.cache.codec import decode_rows, encode_rows
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
+from confkv_engine.core.compression import CompressionWorker
+
+SMOLLM2 = (30, 3, 64)  # layers, KV heads, head_dim
+BS = 16
+
+
+def make_cache(num_blocks: int, dtype: torch.dtype = torch.float32, dims: tuple[int, int, int] = (2, 2, 32),
+               prefix: bool = False) -> KVCache:
+    spec = CacheSpec(dims[0], dims[1], dims[2], BS, dtype, torch.device("cpu"))
+    return KVCache(spec, num_blocks, prefix_salt=b"test" if prefix else None)
+
+
+def fill(cache: KVCache, seq: SeqKV, n: int, seed: int = 0) -> None:
+    """Append ``n`` tokens of random K/V (keys with outlier channels, as after RoPE) to ``seq``."""
+    spec = cache.spec
+    cache.reserve(seq, n)
+    plan = cache.plan_writes([seq], [n], torch.arange(seq.num_slots, seq.num_slots + n))
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(spec.num_layers):
+        k = torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=gen)
+        k[..., ::8] *= 10.0
+        v = torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=gen)
+        cache.kv_flat[layer].index_copy_(0, plan.k_index, k.to(spec.dtype))
+        cache.kv_flat[layer].index_copy_(0, plan.v_index, v.to(spec.dtype))
+    cache.commit(seq, n)
+
+
+def blocks_of(cache: KVCache, table: list[int]) -> torch.Tensor:
+    """Every layer of a table's blocks as stored now: [L, nb, bs, Hkv, D] (compressed decoded)."""
+    plan = cache.gather_plan(table)
+    return torch.stack([cache.gather(layer, plan) for layer in range(cache.spec.num_layers)])
+
+
+def reference(cache: KVCache, blocks: torch.Tensor, bits: int, group: int = 64) -> tuple[torch.Tensor, ...]:
+    """What the codec makes of uncompressed K and V blocks [L, nb, ...]: (keys, values) decoded."""
+    kspec, vspec = block_codecs(BS, cache.spec.num_kv_heads, cache.spec.head_dim, bits, group)
+    out = []
+    for spec, x in zip((kspec, vspec), blocks, strict=True):
+        flat = x.reshape(-1, *spec.shape)
+        out.append(decode_rows(encode_rows(flat, spec), spec, cache.spec.dtype).view_as(x))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_round_trip_is_the_codecs_exactly_and_the_ratio_is_its_bytes(dtype: torch.dtype, bits: int) -> None:
+    cache = make_cache(40, dtype, SMOLLM2)
+    seq = SeqKV()
+    fill(cache, seq, 5 * BS + 3)
+    before_k, before_v = blocks_of(cache, seq.k_blocks[:3]), blocks_of(cache, seq.v_blocks[:3])
+    result = cache.compress_tables([seq], [3], bits, 64, limit=100)
+    assert result.blocks == 6 and all(b < 0 for b in seq.k_blocks[:3] + seq.v_blocks[:3])
+    assert all(b >= 0 for b in seq.k_blocks[3:] + seq.v_blocks[3:])
+    ref_k, ref_v = reference(cache, torch.stack([before_k, before_v]), bits)
+    assert torch.equal(blocks_of(cache, seq.k_blocks[:3]), ref_k)
+    assert torch.equal(blocks_of(cache, seq.v_blocks[:3]), ref_v)
+    # The uncompressed tail is untouched.
+    assert seq.num_slots == 5 * BS + 3
+    elem = torch.empty((), dtype=dtype).element_size()
+    block = SMOLLM2[0] * BS * SMOLLM2[1] * SMOLLM2[2] * elem
+    k_ratio = cache.store.nbytes(seq.k_blocks[0]) / block
+    v_ratio = cache.store.nbytes(seq.v_blocks[0]) / block
+    # Scales and minimums included (codec docstring table: bf16 K 0.625/0.375, V 0.531/0.281).
+    expected = {(8, 2): (0.625, 0.53125), (4, 2): (0.375, 0.28125)}
+    k_exp, v_exp = expected[(bits, 2)]
+    if elem == 4:
+        k_exp, v_exp = k_exp / 2, v_exp / 2
+    assert k_ratio == pytest.approx(k_exp) and v_ratio == pytest.approx(v_exp)
+    pair = cache.store.nbytes(seq.k_blocks[0]) + cache.store.nbytes(seq.v_blocks[0])
+    assert cache.compressed_bytes == 3 * pair
+
+
+def test_compression_frees_pool_blocks_another_sequence_uses_at_once() -> None:
+    cache = make_cache(13)  # 12 usable blocks: one sequence of 6 blocks per table fills the pool
+    a = SeqKV()
+    fill(cache, a, 6 * BS, seed=1)
+    assert cache.num_free == 0
+    decoded_ref = reference(cache, torch.stack([blocks_of(cache, a.k_blocks[:4]),
+                                                blocks_of(cache, a.v_blocks[:4])]), 8)
+    result = cache.compress_tables([a], [4], 8, 64, limit=100)
+    # fp32 blocks of 2 layers x 16 x 2 x 32: a K slot is 0.3125 of a block, a V slot 0.28125; each
+    # arena (K, V) needs 2 hosts for 4 slots, so 8 blocks compressed free 4 pool blocks net.
+    assert result.blocks == 8 and result.pool_blocks_freed == 4
+    assert result.bytes_freed == 4 * cache.spec.block_bytes
+    assert cache.num_free == 4 and cache.store.num_hosts == 4
+    b = SeqKV()
+    fill(cache, b, BS + 5, seed=2)  # 2 K + 2 V blocks: exactly what compression freed
+    assert cache.num_free == 0
+    assert torch.equal(blocks_of(cache, a.k_blocks[:4]), decoded_ref[0])  # the hosts were not reused
+    assert torch.equal(blocks_of(cache, a.v_blocks[:4]), decoded_ref[1])
+    cache.free(a)
+    assert cache.store.num_hosts == 0 and len(cache.store) == 0  # the emptied arenas gave back their hosts
+    cache.free(b)
+    assert cache.pool.num_free == cache.num_blocks
+
+
+def test_shared_blocks_are_compressed_only_with_every_holder_known() -> None:
+    cache = make_cache(40, prefix=True)
+    a = SeqKV()
+    fill(cache, a, 4 * BS)
+    tokens = list(range(4 * BS))
+    cache.register(a, tokens)
+    b = SeqKV()
+    cache.attach(b, cache.match(tokens, 3), 0)
+    fill(cache, b, BS, seed=3)
+    shared = a.k_blocks[0]
+    # b is not listed: a's first blocks have 3 references (a, b, the index) and stay as they are.
+    assert cache.compress_tables([a], [2], 8, 64, limit=100).blocks == 0
+    assert a.k_blocks[0] == shared
+    result = cache.compress_tables([a, b], [2, 2], 8, 64, limit=100)
+    assert result.blocks == 4
+    assert a.k_blocks[:2] == b.k_blocks[:2] and a.k_blocks[0] < 0
+    entry = cache.match(tokens, 3)[0]
+    assert entry.k_block == a.k_blocks[0] and entry.v_block == a.v_blocks[0]
+    assert cache.store.ref_count(a.k_blocks[0]) == 3
+    assert cache.shares_blocks(b)  # shared compressed blocks are counted like pool blocks
+    positions = cache.slot_positions(b)  # regenerated for the compressed blocks
+    assert torch.equal(positions, torch.arange(b.num_slots, dtype=torch.int32).expand_as(positions))
+    cache.free(a)
+    cache.free(b)
+    assert len(cache.eviction) == 4 and len(cache.store) == 4  # the index keeps the entries
+
+
+class SpillRecorder:
+    def __init__(self) -> None:
+        self.payloads: dict[bytes, bytes] = {}
+
+    def spill(self, entry, payload: bytes, uses: int) -> None:
+        self.payloads[entry.key] = payload
+
+
+def test_prefix_hit_and_eviction_of_compressed_cached_entries() -> None:
+    cache = make_cache(9, prefix=True)  # 8 usable blocks
+    cache.sink = sink = SpillRecorder()
+    a = SeqKV()
+    fill(cache, a, 3 * BS)
+    tokens = list(range(3 * BS))
+    cache.register(a, tokens)
+    original = blocks_of(cache, a.k_blocks), blocks_of(cache, a.v_blocks)
+    cache.free(a)
+    assert cache.num_free == 8 and len(cache.eviction) == 3
+    assert cache.compress_cold(8, 64, cold_after=3600.0, limit=10).blocks == 0  # not cold yet
+    result = cache.compress_cold(4, 64, cold_after=0.0, limit=10)
+    assert result.blocks == 6 and result.pool_blocks_freed == 4  # 3 slots per arena, one host each
+    # The hosts hold only evictable entries: evicting them would give the hosts back.
+    assert cache.num_free == 8 and cache.store.num_hosts == 2
+    entries = cache.match(tokens, 3)
+    assert len(entries) == 3 and all(e.k_block < 0 and e.v_block < 0 for e in entries)
+    assert cache.evictable_among(entries[:2]) == 2  # sharing them pins both hosts
+    ref_k, ref_v = reference(cache, torch.stack(original), 4)
+    b = SeqKV()
+    cache.attach(b, entries[:2], 3 * BS)
+    assert cache.num_free == 6
+    assert torch.equal(blocks_of(cache, b.k_blocks), ref_k[:, :2])
+    assert torch.equal(blocks_of(cache, b.v_blocks), ref_v[:, :2])
+    fill(cache, b, BS + 1, seed=5)
+    assert cache.num_free == 2
+    cache.free(b)
+    assert cache.num_free == 8 and len(cache.eviction) == 3
+    # A request needing the whole pool evicts every compressed entry; the emptied arenas return hosts.
+    c = SeqKV()
+    fill(cache, c, 4 * BS, seed=6)
+    assert len(cache.prefix) == 0 and len(cache.store) == 0 and cache.store.num_hosts == 0
+    assert cache.num_free == 0
+    # The disk tier got the decoded blocks, in the layout of an uncompressed entry.
+    first = torch.stack([ref_k[:, 0], ref_v[:, 0]]).contiguous().view(torch.uint8).numpy().tobytes()
+    assert sink.payloads[entries[0].key] == first and len(sink.payloads) == 3
+
+
+def test_attention_over_compressed_blocks_equals_attention_over_the_dequantized_copy() -> None:
+    hq = 4
+    cache, dense = make_cache(60), make_cache(60)
+    seqs = [SeqKV() for _ in range(3)]
+    mirror = [SeqKV() for _ in range(3)]
+    for i, (s, m) in enumerate(zip(seqs, mirror, strict=True)):
+        fill(cache, s, (4 + i) * BS + 2 * i, seed=i)
+        fill(dense, m, (4 + i) * BS + 2 * i, seed=i)
+    cache.compress_tables(seqs, [2, 3, 4], 8, 32, limit=100)
+    assert len(cache.store) == 2 * (2 + 3 + 4)
+    for s, m in zip(seqs, mirror, strict=True):  # the reference holds the decoded blocks, uncompressed
+        for table, mtable in ((s.k_blocks, m.k_blocks), (s.v_blocks, m.v_blocks)):
+            decoded = blocks_of(cache, table)
+            dense.kv[:, mtable] = decoded
+    gen = torch.Generator().manual_seed(9)
+    backends = PagedAttention(cache, hq), PagedAttention(dense, hq)
+    num_new = [1, 1, 5]  # two decode rows and a prefill chunk
+    for c, group in ((cache, seqs), (dense, mirror)):
+        for s, n in zip(group, num_new, strict=True):
+            c.reserve(s, n)
+    pos = torch.cat([torch.arange(s.num_slots, s.num_slots + n) for s, n in zip(seqs, num_new, strict=True)])
+    for backend, group in zip(backends, (seqs, mirror), strict=True):
+        backend.begin_step(group, num_new, pos)
+    for layer in range(cache.spec.num_layers):
+        t = sum(num_new)
+        q, k, v = (torch.randn(t, n, 32, generator=gen) for n in (hq, 2, 2))
+        out, ref = (b.attend(layer, q, k, v) for b in backends)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    for b in backends:
+        b.end_step()
+
+
+def test_worker_compresses_cold_blocks_and_stops_cleanly() -> None:
+    cache = make_cache(20, prefix=True)
+    a = SeqKV()
+    fill(cache, a, 3 * BS)
+    cache.register(a, list(range(3 * BS)))
+    cache.free(a)
+    lock = threading.Lock()
+
+    def one_pass():
+        with lock:
+            return cache.compress_cold(8, 64, cold_after=0.0, limit=2)
+
+    worker = CompressionWorker(one_pass, interval=0.01)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while len(cache.store) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.stop()
+    assert not worker.running
+    assert len(cache.store) == 6 and worker.total.blocks == 6
+    assert worker.passes >= 3  # at most 2 blocks per pass
+    passes = worker.passes
+    time.sleep(0.05)
+    assert worker.passes == passes  # stopped: no more passes
+
+
+def test_bad_group_size_is_refused_with_a_clear_message() -> None:
+    with pytest.raises(ValueError, match="groupSize 48 must divide head_dim 64"):
+        block_codecs(16, 3, 64, 8, 48)
