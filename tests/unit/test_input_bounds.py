@@ -6,6 +6,10 @@ retention policy that brings its own budget."""
 from __future__ import annotations
 
 import logging
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -20,7 +24,6 @@ from confkv_api.config import (
     parse_size,
 )
 from confkv_engine.cache.kv_cache import CPU_AVAILABLE_CAP, CacheSpec, KVCache, resolve_cache_bytes
-from confkv_engine.cli import main
 from confkv_engine.control.policy import MAX_PATCH_DEPTH, PolicyInvalid, PolicyStore, parse_patch
 from confkv_engine.retention.manager import RetentionManager
 from confkv_engine.retention.policies import RetentionConfig
@@ -67,12 +70,20 @@ def test_an_empty_or_padded_api_key_is_a_config_error(key: str) -> None:
         load_config({"engine": {"apiKey": key}})
 
 
-@pytest.mark.parametrize("argv", [["--api-key", ""], ["--max-cache-size", OVERFLOWING]])
-def test_the_command_line_exits_2_before_anything_loads(argv: list[str],
-                                                        capsys: pytest.CaptureFixture) -> None:
-    assert main(["serve", *argv]) == 2
-    err = capsys.readouterr().err
-    assert "api_key" in err or "max_cache_size" in err, err
+@pytest.mark.parametrize(("argv", "needle"), [(["--api-key", ""], "api_key"),
+                                               (["--max-cache-size", OVERFLOWING], "max_cache_size")])
+def test_the_command_line_exits_2_before_anything_loads(argv: list[str], needle: str, tmp_path: Path) -> None:
+    # A model that cannot load: if the flag were accepted, the server would exit 1, not 2 (and never
+    # serve from inside the test process).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "confkv_engine.cli", "serve", "--model",
+                          str(tmp_path / "none.gguf"), "--port", str(port), "--grpc-socket",
+                          str(tmp_path / "c.sock"), *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert needle in out.stderr
 
 
 def test_a_cache_larger_than_the_machine_is_capped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
