@@ -23,6 +23,7 @@ from confkv_api.config import (
     load_config,
     parse_size,
 )
+from confkv_engine.cache import kv_cache
 from confkv_engine.cache.kv_cache import CPU_AVAILABLE_CAP, CacheSpec, KVCache, resolve_cache_bytes
 from confkv_engine.control.policy import MAX_PATCH_DEPTH, PolicyInvalid, PolicyStore, parse_patch
 from confkv_engine.retention.manager import RetentionManager
@@ -95,6 +96,18 @@ def test_a_cache_larger_than_the_machine_is_capped_with_a_warning(caplog: pytest
     caplog.clear()
     assert resolve_cache_bytes(("bytes", 12345.0), torch.device("cpu")) == 12345  # fits: as given
     assert "capped" not in caplog.text
+
+
+def test_in_a_container_the_cap_is_of_what_its_memory_cgroup_allows(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "memory.max").write_text(f"{2 * 2**30}\n")
+    (tmp_path / "memory.current").write_text(f"{2**30}\n")
+    monkeypatch.setattr(kv_cache, "_CGROUP_MEMORY_FILES",
+                        ((str(tmp_path / "memory.max"), str(tmp_path / "memory.current")),))
+    assert resolve_cache_bytes(parse_size("100Ti"), torch.device("cpu")) <= CPU_AVAILABLE_CAP * 2**30
+    assert kv_cache._cgroup_headroom() == 2**30
+    (tmp_path / "memory.max").write_text("max\n")  # an unlimited cgroup leaves the RAM cap alone
+    assert kv_cache._cgroup_headroom() is None
 
 
 @pytest.mark.parametrize("policy", ["h2o", "streaming"])
