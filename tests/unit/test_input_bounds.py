@@ -6,6 +6,10 @@ retention policy that brings its own budget."""
 from __future__ import annotations
 
 import logging
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -19,8 +23,8 @@ from confkv_api.config import (
     load_config,
     parse_size,
 )
+from confkv_engine.cache import layout
 from confkv_engine.cache.kv_cache import CPU_AVAILABLE_CAP, CacheSpec, KVCache, resolve_cache_bytes
-from confkv_engine.cli import main
 from confkv_engine.control.policy import MAX_PATCH_DEPTH, PolicyInvalid, PolicyStore, parse_patch
 from confkv_engine.retention.manager import RetentionManager
 from confkv_engine.retention.policies import RetentionConfig
@@ -67,12 +71,20 @@ def test_an_empty_or_padded_api_key_is_a_config_error(key: str) -> None:
         load_config({"engine": {"apiKey": key}})
 
 
-@pytest.mark.parametrize("argv", [["--api-key", ""], ["--max-cache-size", OVERFLOWING]])
-def test_the_command_line_exits_2_before_anything_loads(argv: list[str],
-                                                        capsys: pytest.CaptureFixture) -> None:
-    assert main(["serve", *argv]) == 2
-    err = capsys.readouterr().err
-    assert "api_key" in err or "max_cache_size" in err, err
+@pytest.mark.parametrize(("argv", "needle"), [(["--api-key", ""], "api_key"),
+                                               (["--max-cache-size", OVERFLOWING], "max_cache_size")])
+def test_the_command_line_exits_2_before_anything_loads(argv: list[str], needle: str, tmp_path: Path) -> None:
+    # A model that cannot load: if the flag were accepted, the server would exit 1, not 2 (and never
+    # serve from inside the test process).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "confkv_engine.cli", "serve", "--model",
+                          str(tmp_path / "none.gguf"), "--port", str(port), "--grpc-socket",
+                          str(tmp_path / "c.sock"), *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert needle in out.stderr
 
 
 def test_a_cache_larger_than_the_machine_is_capped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -84,6 +96,18 @@ def test_a_cache_larger_than_the_machine_is_capped_with_a_warning(caplog: pytest
     caplog.clear()
     assert resolve_cache_bytes(("bytes", 12345.0), torch.device("cpu")) == 12345  # fits: as given
     assert "capped" not in caplog.text
+
+
+def test_in_a_container_the_cap_is_of_what_its_memory_cgroup_allows(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "memory.max").write_text(f"{2 * 2**30}\n")
+    (tmp_path / "memory.current").write_text(f"{2**30}\n")
+    monkeypatch.setattr(layout, "_CGROUP_MEMORY_FILES",
+                        ((str(tmp_path / "memory.max"), str(tmp_path / "memory.current")),))
+    assert resolve_cache_bytes(parse_size("100Ti"), torch.device("cpu")) <= CPU_AVAILABLE_CAP * 2**30
+    assert layout._cgroup_headroom() == 2**30
+    (tmp_path / "memory.max").write_text("max\n")  # an unlimited cgroup leaves the RAM cap alone
+    assert layout._cgroup_headroom() is None
 
 
 @pytest.mark.parametrize("policy", ["h2o", "streaming"])

@@ -45,8 +45,9 @@ def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.
     bytes: as given, but never more than the device can hold. Fraction: of free device memory on
     CUDA (measured now, after the model was loaded); on CPU of total RAM. Unset: 90% of free memory
     on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at 90% of free CUDA memory, or on
-    CPU at half the RAM available now (the model, activations and the OS need the rest): a size
-    the machine cannot hold is logged and capped rather than left to the OOM killer.
+    CPU at half the RAM available now (in a container: of what its memory cgroup still allows; the
+    model, activations and the OS need the rest): a size the machine cannot hold is logged and
+    capped rather than left to the OOM killer.
     """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -63,8 +64,30 @@ def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.
     mem = psutil.virtual_memory()
     kind, value = max_cache_size
     wanted = value if kind == "bytes" else value * mem.total
-    return _capped(wanted, int(CPU_AVAILABLE_CAP * mem.available),
+    available = min(mem.available, _cgroup_headroom() or mem.available)
+    return _capped(wanted, int(CPU_AVAILABLE_CAP * available),
                    f"{CPU_AVAILABLE_CAP:.0%} of the available RAM")
+
+
+# (limit, usage) files of the memory cgroup, v2 then v1: in a container psutil sees the node's RAM,
+# while the OOM killer enforces the container's limit.
+_CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                         "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes this process's memory cgroup can still take, or None (no limit, or not readable)."""
+    for limit_file, usage_file in _CGROUP_MEMORY_FILES:
+        try:
+            with open(limit_file) as limit, open(usage_file) as usage:
+                limit_text, used = limit.read().strip(), int(usage.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or int(limit_text) >= 1 << 60:  # unlimited
+            return None
+        return max(0, int(limit_text) - used)
+    return None
 
 
 def _capped(wanted: float, cap: int, what: str) -> int:

@@ -239,14 +239,13 @@ def create_app(state: ServedState) -> FastAPI:
     app.include_router(_openai_router(state))
     app.include_router(_tokenizer_router(state))
     app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
-    probe_down = {503: {"description": _WHEN[503]}}
 
     @app.get("/health", responses={503: {"description": "The engine thread has stopped"}})
     async def health() -> Response:
         healthy = state.healthy()
         return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
 
-    @app.get("/ready", responses=probe_down)
+    @app.get("/ready", responses={503: {"description": _WHEN[503]}})
     async def ready() -> Response:
         ok, status = state.readiness()
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
