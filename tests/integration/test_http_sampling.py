@@ -75,6 +75,19 @@ def test_n_streaming_chat_carries_each_choice_index(client: openai.OpenAI) -> No
     assert whole.usage.completion_tokens == 20 or any(r == "stop" for r in reasons)
 
 
+def test_n_streaming_completion_with_echo_and_logprobs(client: openai.OpenAI) -> None:
+    args = dict(n=2, max_tokens=6, temperature=1.0, seed=21, echo=True, logprobs=1,
+                extra_body={"ignore_eos": True})
+    whole = _complete(client, **args)
+    texts, tokens = ["", ""], [[], []]
+    for chunk in _complete(client, stream=True, **args):
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        tokens[choice.index] += choice.logprobs.tokens
+    assert texts == [c.text for c in whole.choices] and texts[0].startswith(PROMPT)
+    assert tokens == [c.logprobs.tokens for c in whole.choices]
+
+
 def test_best_of_returns_the_highest_mean_logprob_choices(client: openai.OpenAI) -> None:
     args = dict(max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
     pool = _complete(client, n=4, logprobs=0, **args).choices

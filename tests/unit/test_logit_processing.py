@@ -174,3 +174,12 @@ def test_bad_response_formats_name_the_problem(byte_tok: SimpleNamespace, respon
 def test_schema_text_is_canonical() -> None:
     a = spec_from_response_format({"type": "json_schema", "json_schema": {"schema": {"b": 1, "a": 2}}})
     assert json.loads(a.schema) == {"a": 2, "b": 1} and a.schema == '{"a":2,"b":1}'
+
+
+def test_grammar_end_wins_over_min_tokens(byte_tok: SimpleNamespace) -> None:
+    state = GrammarState(StructuredOutput("json_object"), byte_tok, EOS + 1, [EOS])
+    for byte in b"{}":
+        state.accept(byte)
+    params = SamplingParams(temperature=0.0, min_tokens=10)  # would ban EOS for 8 more tokens
+    out = processed_logits(torch.zeros(1, EOS + 1), [params], [[1]], [[123, 125]], [EOS], [state])
+    assert sample(out, [params], [None]).tolist() == [EOS]

@@ -222,13 +222,21 @@ def processed_logits(
 ) -> Tensor:
     """The logits a step's tokens are chosen from: a copy of the raw ``logits`` [B, V] with, in
     vLLM's order, the min_tokens ban, ``logit_bias``, the repetition / frequency / presence
-    penalties and the structured-output masks applied. Logprobs are taken from the raw logits."""
+    penalties and the structured-output masks applied. Logprobs are taken from the raw logits.
+
+    Where the grammar allows only tokens min_tokens forbids (a complete document: only EOS), the
+    grammar wins: that row keeps its grammar mask alone, so the request ends with a valid document.
+    """
     out = logits.clone()
     apply_min_tokens_mask(out, params, [len(ids) for ids in output_ids], eos_token_ids)
     apply_logit_bias(out, params)
     apply_penalties(out, params, prompt_ids, output_ids)
     if any(g is not None for g in grammars):
         apply_grammar_masks(out, grammars)
+        dead = [i for i in torch.nonzero(~torch.isfinite(out).any(dim=-1)).flatten().tolist()
+                if grammars[i] is not None]
+        for i in dead:
+            out[i] = apply_grammar_masks(logits[i:i + 1].clone(), [grammars[i]])[0]
     return out
 
 
