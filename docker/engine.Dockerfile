@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # CONF-KV engine + agent image: one image, two programs (confkv-engine is the main container of a
 # serving pod, confkv-agent its sidecar; the operator sets each container's command).
 #
@@ -10,6 +9,16 @@
 #   docker build -f docker/engine.Dockerfile \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t ghcr.io/confkv/confkv:0.1.0-cu128 .
 
+# Base image: pinned by tag, not by digest. A digest is only worth committing once it has been resolved
+# against the registry and the image verified, and no registry was reachable where this file is
+# maintained; an unverified digest would be worse than none. To pin it (the digest then decides; the
+# tag stays for readers), resolve the digest and pass it in:
+#
+#   docker buildx imagetools inspect python:3.11.11-slim-bookworm --format '{{json .Manifest.Digest}}'
+#   docker build --build-arg PYTHON_IMAGE=python:3.11.11-slim-bookworm@sha256:<digest> ...
+#
+# (tests/contracts/test_dockerfiles.py accepts either this documented tag or a well-formed digest.)
+# There is no `# syntax=` line on purpose: it would pull an extra, unpinned frontend image.
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build

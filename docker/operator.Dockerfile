@@ -1,10 +1,19 @@
-# syntax=docker/dockerfile:1
 # CONF-KV operator image: the Kopf operator only. It installs the confkv distribution without its
 # dependencies (the engine's torch stack is not needed) plus the operator's own, pinned, runtime
 # dependencies; tests/contracts checks that every third-party module the operator imports is listed.
 #
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/confkv/confkv-operator:0.1.0 .
 
+# Base image: pinned by tag, not by digest. A digest is only worth committing once it has been resolved
+# against the registry and the image verified, and no registry was reachable where this file is
+# maintained; an unverified digest would be worse than none. To pin it (the digest then decides; the
+# tag stays for readers), resolve the digest and pass it in:
+#
+#   docker buildx imagetools inspect python:3.11.11-slim-bookworm --format '{{json .Manifest.Digest}}'
+#   docker build --build-arg PYTHON_IMAGE=python:3.11.11-slim-bookworm@sha256:<digest> ...
+#
+# (tests/contracts/test_dockerfiles.py accepts either this documented tag or a well-formed digest.)
+# There is no `# syntax=` line on purpose: it would pull an extra, unpinned frontend image.
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build

@@ -98,8 +98,22 @@ class NvmlReader:
         return tuple(gpus)
 
 
+def _effective(gpus: tuple[GpuMemory, ...], status: Any | None) -> tuple[GpuMemory, ...]:
+    """NVML counts the engine's pre-allocated KV pool as used even when it holds nothing: take the
+    pool's reclaimable bytes (free and evictable blocks) off the GPU the engine runs on, so an empty
+    pool does not read as a full GPU."""
+    reclaimable = int(getattr(status, "kv_bytes_reclaimable", 0) or 0) if status is not None else 0
+    device = status.device_memory.device if status is not None and status.HasField("device_memory") else ""
+    if not reclaimable or not device.startswith("cuda"):
+        return gpus
+    index = int(device.partition(":")[2] or 0)  # cuda:N is the N-th visible GPU
+    return tuple(GpuMemory(g.index, g.uuid, max(0, g.used_bytes - reclaimable), g.total_bytes)
+                 if i == index else g for i, g in enumerate(gpus))
+
+
 def vram_reading(nvml: NvmlReader, status: Any | None) -> VramReading:
-    """The fullest visible GPU from NVML, else the engine's own report, else no data."""
+    """The fullest visible GPU from NVML, else the engine's own report, else no data; both less the
+    KV pool's reclaimable bytes (the engine's ``effective_used_bytes``)."""
     if nvml.available:
         try:
             gpus = nvml.read()
@@ -108,10 +122,12 @@ def vram_reading(nvml: NvmlReader, status: Any | None) -> VramReading:
             gpus = ()
         if gpus:
             device = ",".join(f"gpu{g.index}" for g in gpus)
+            gpus = _effective(gpus, status)
             return VramReading("nvml", device, max(g.fraction for g in gpus), gpus)
     if status is not None and status.HasField("device_memory") and status.device_memory.total_bytes > 0:
         mem = status.device_memory
-        return VramReading("engine", mem.device, mem.used_bytes / mem.total_bytes)
+        used = mem.effective_used_bytes or mem.used_bytes  # 0: an engine that does not report it
+        return VramReading("engine", mem.device, used / mem.total_bytes)
     return VramReading("none", "", None)
 
 

@@ -10,7 +10,7 @@ Sections:
 - ``alerts`` / ``remediation``: the agent's rules and playbook (applied live).
 
 The operator's CR spec adds deployment-only groups (replicas, resources, cacheStorage); those live
-in ``DeploymentSpec`` below and are not part of ``confkv.json``.
+in ``confkv_api.deployment`` and are not part of ``confkv.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
 _DURATION_RE = re.compile(r"^(\d+)(ms|s|m|h)$")
 _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# Largest byte size a config may name (1024Ti): far above any device, far below a float's overflow,
+# so "1" followed by 400 zeros is refused here instead of overflowing when the pool is sized.
+MAX_SIZE_BYTES = 2**50
+# Longest context any field is sized for (the cap of model.maxModelLen): windows, budgets and token
+# batches beyond it can only be typos.
+MAX_TOKENS = 1_048_576
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
 class ConfigError(ValueError):
@@ -51,15 +58,15 @@ def parse_size(value: str | int | float) -> tuple[str, float]:
     if isinstance(value, bool):
         raise ValueError(f"invalid size {value!r}")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"size must be positive, got {value}")
+        if not 0 < value <= MAX_SIZE_BYTES:  # also refuses NaN and infinities
+            raise ValueError(f"size must be in (0, {MAX_SIZE_BYTES}] bytes (1024Ti), got {value}")
         if isinstance(value, float) and value <= 1.0:
             return "fraction", value
         return "bytes", float(value)
     text = value.strip()
     if text.endswith("%"):
         pct = float(text[:-1])
-        if not 0 < pct <= 100:
+        if not 0 < pct <= 100:  # also refuses NaN
             raise ValueError(f"percentage must be in (0, 100], got {text!r}")
         return "fraction", pct / 100.0
     match = _SIZE_RE.match(text)
@@ -68,6 +75,8 @@ def parse_size(value: str | int | float) -> tuple[str, float]:
     number = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
     if number <= 0:
         raise ValueError(f"size must be positive, got {value!r}")
+    if number > MAX_SIZE_BYTES:  # also refuses a digit string that overflowed to infinity
+        raise ValueError(f"size {value[:40]!r} is larger than 1024Ti ({MAX_SIZE_BYTES} bytes)")
     return "bytes", number
 
 
@@ -82,13 +91,15 @@ def parse_duration(value: str) -> float:
 class ModelSection(_Model):
     """What the engine loads. ``source``: ``builtin:smollm2-135m``, a GGUF file path, or a Hugging
     Face directory (config.json, safetensors, tokenizer.json); ``hfId`` names the HF repo the
-    operator fetches into ``source`` when set."""
+    operator fetches into ``source`` when set. ``servedName`` is the name responses carry;
+    ``servedAliases`` are further names the API accepts and lists (vLLM's --served-model-name list)."""
 
     source: str = BUILTIN_MODEL
     hf_id: str | None = None
     served_name: str | None = None
+    served_aliases: list[str] = Field(default_factory=list)  # more names clients may send
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_model_len: int | None = Field(default=None, ge=16, le=1_048_576)
+    max_model_len: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     token_secret_ref: str | None = None
 
 
@@ -99,11 +110,13 @@ class EngineSection(_Model):
     port: int = Field(default=8000, ge=1, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = Field(default=64, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(default=2048, ge=16)
-    prefill_chunk: int = Field(default=512, ge=16)
+    max_num_batched_tokens: int = Field(default=2048, ge=16, le=MAX_TOKENS)
+    prefill_chunk: int = Field(default=512, ge=16, le=MAX_TOKENS)
     block_size: int = Field(default=16, ge=1, le=256)
-    max_waiting: int = Field(default=256, ge=1)
+    max_waiting: int = Field(default=256, ge=1, le=1_000_000)
     cuda_streams: int = Field(default=4, ge=1, le=64)
+    # Largest HTTP request body (bytes); larger ones get 413 before they are read or parsed.
+    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=2**30)
     api_key: str | None = None
     grpc_socket: str | None = None
     cache_dir: str | None = None
@@ -118,6 +131,15 @@ class EngineSection(_Model):
     @classmethod
     def _unix_socket_only(cls, value: str | None) -> str | None:
         return None if value is None else check_socket_address(value)
+
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, value: str | None) -> str | None:
+        # An empty key would let any empty bearer in; unset means "no key", so say that instead.
+        if value is not None and (not value or value != value.strip()):
+            raise ValueError("apiKey must be non-empty without surrounding whitespace "
+                             "(leave it unset to serve without a key)")
+        return value
 
     @model_validator(mode="after")
     def _chunk_fits_budget(self) -> EngineSection:
@@ -170,7 +192,7 @@ class CompressionSection(_Model):
     enabled: bool = True
     bits: Literal[8, 4] = 8
     group_size: int = Field(default=64, ge=8, le=1024)
-    cold_after_seconds: float = Field(default=30.0, ge=0.0)
+    cold_after_seconds: float = Field(default=30.0, ge=0.0, le=7 * 86_400.0)
 
 
 class ConfKVSection(_Model):
@@ -179,9 +201,9 @@ class ConfKVSection(_Model):
     kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] = "full"
     confidence_thresholds: ConfidenceThresholds = ConfidenceThresholds()
     sinks: int = Field(default=4, ge=0, le=1024)
-    window: int = Field(default=512, ge=16)
+    window: int = Field(default=512, ge=16, le=MAX_TOKENS)
     budget: float | None = Field(default=None, gt=0.0, le=1.0)
-    budget_tokens: int | None = Field(default=None, ge=16)
+    budget_tokens: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     budget_mode: Literal["always", "pressure"] = "always"
     eviction: EvictionSection = EvictionSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
@@ -324,115 +346,3 @@ def with_overrides(config: ConfKVConfig, section: str, **values: Any) -> ConfKVC
         raise ConfigError(f"invalid {section} settings: {_format_errors(err)}") from None
     current[section] = validated.model_dump(mode="json", by_alias=True)
     return load_config(current)
-
-
-# --- The ConfKVDeployment CR spec (operator only; not part of confkv.json) -------------------------
-
-#: Fields of confkv.json the operator owns inside pods (listen address, socket in the shared volume,
-#: cache directory on the cache volume, API key); they are not settable through the CR spec.
-OPERATOR_OWNED_FIELDS: frozenset[tuple[str, str]] = frozenset({
-    ("engine", "host"), ("engine", "grpcSocket"), ("engine", "cacheDir"), ("engine", "apiKey"),
-})
-
-
-class Toleration(_Model):
-    """A pod toleration (the subset of core/v1 Toleration a GPU pool needs)."""
-
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] = "Equal"
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(default=None, ge=0)
-
-
-#: A Kubernetes resource quantity ("4", "500m", "96Gi", "1e3").
-QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkKMGTPE]i?)?$"
-
-
-class ResourceQuantities(_Model):
-    """Kubernetes quantities, e.g. ``cpu: "4"``, ``memory: "96Gi"``."""
-
-    cpu: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
-    memory: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
-
-
-class ResourcesSpec(_Model):
-    """Per-pod resources of the engine container; ``gpusPerPod`` > 0 adds ``nvidia.com/gpu`` limits."""
-
-    gpus_per_pod: int = Field(default=0, ge=0, le=16)
-    requests: ResourceQuantities = ResourceQuantities()
-    limits: ResourceQuantities = ResourceQuantities()
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
-
-
-class CacheStorageSpec(_Model):
-    """The NVMe volume for spilled blocks and the rebuild log: an emptyDir (default), an existing
-    PVC (``claimName``) or a node directory (``hostPath``)."""
-
-    type: Literal["emptyDir", "pvc", "hostPath"] = "emptyDir"
-    claim_name: str | None = None
-    host_path: str | None = None
-    size: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
-    mount_path: str = "/var/cache/confkv"
-
-    @model_validator(mode="after")
-    def _source_given(self) -> CacheStorageSpec:
-        if self.type == "pvc" and not self.claim_name:
-            raise ValueError("cacheStorage.type 'pvc' needs claimName")
-        if self.type == "hostPath" and not self.host_path:
-            raise ValueError("cacheStorage.type 'hostPath' needs hostPath")
-        if not self.mount_path.startswith("/"):
-            raise ValueError(f"cacheStorage.mountPath must be absolute, got {self.mount_path!r}")
-        return self
-
-
-class ModelStorageSpec(_Model):
-    """Where model files live in the pod: a PVC (pre-populated, or filled by the fetch init container
-    when ``model.hfId`` is set) mounted at ``mountPath``; without a claim, an emptyDir."""
-
-    claim_name: str | None = None
-    mount_path: str = "/models"
-    size: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
-
-
-class ImageSpec(_Model):
-    """Container images; unset names fall back to the operator's defaults (env)."""
-
-    engine: str | None = None
-    agent: str | None = None
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-
-
-class DeploymentSpec(_Model):
-    """The whole ``spec`` of a ConfKVDeployment. The first five sections become ``confkv.json``."""
-
-    model: ModelSection = ModelSection()
-    engine: EngineSection = EngineSection()
-    confkv: ConfKVSection = ConfKVSection()
-    alerts: AlertsSection = AlertsSection()
-    remediation: RemediationSection = RemediationSection()
-    replicas: int = Field(default=1, ge=0, le=1000)
-    resources: ResourcesSpec = ResourcesSpec()
-    cache_storage: CacheStorageSpec = CacheStorageSpec()
-    model_storage: ModelStorageSpec = ModelStorageSpec()
-    image: ImageSpec = ImageSpec()
-
-    @model_validator(mode="after")
-    def _model_location(self) -> DeploymentSpec:
-        if self.model.hf_id and not self.model.source.startswith(self.model_storage.mount_path + "/"):
-            raise ValueError(
-                f"model.hfId needs model.source to be a directory under modelStorage.mountPath "
-                f"({self.model_storage.mount_path}/...), got {self.model.source!r}"
-            )
-        if self.model.token_secret_ref and not self.model.hf_id:
-            raise ValueError("model.tokenSecretRef is only used with model.hfId")
-        return self
-
-
-def load_deployment_spec(data: dict[str, Any]) -> DeploymentSpec:
-    """Validate a CR spec; raises ConfigError with every problem named."""
-    try:
-        return DeploymentSpec.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(f"invalid ConfKVDeployment spec: {_format_errors(err)}") from None

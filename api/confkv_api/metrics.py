@@ -6,9 +6,10 @@ counters expose ``_total``.
 
 # Engine: KV cache.
 KV_CACHE_USAGE_RATIO = "confkv_kv_cache_usage_ratio"  # gauge, used blocks / total blocks
-KV_CACHE_BYTES = "confkv_kv_cache_bytes"  # gauge, labels: tier=full|key_only|free|total
+# gauge, label tier=full|key_only|free|evictable|reclaimable|total
+KV_CACHE_BYTES = "confkv_kv_cache_bytes"
 KV_CACHE_CAPACITY_BYTES = "confkv_kv_cache_capacity_bytes"  # gauge, bytes of the whole pool
-PREFIX_CACHE_HIT_RATIO = "confkv_prefix_cache_hit_ratio"  # gauge, hit tokens / queried tokens
+PREFIX_CACHE_HIT_RATIO = "confkv_prefix_cache_hit_ratio"  # gauge, hit / queried tokens, last 5 minutes
 PREFIX_CACHE_QUERIED_TOKENS = "confkv_prefix_cache_queried_tokens"  # counter
 PREFIX_CACHE_HIT_TOKENS = "confkv_prefix_cache_hit_tokens"  # counter
 
@@ -28,6 +29,8 @@ REQUESTS_FINISHED = "confkv_requests_finished"  # counter, label: reason=stop|le
 # Engine: device.
 DEVICE_MEMORY_USED_BYTES = "confkv_device_memory_used_bytes"  # gauge, label: device
 DEVICE_MEMORY_TOTAL_BYTES = "confkv_device_memory_total_bytes"  # gauge, label: device
+# gauge, label: device; used less the KV pool's reclaimable bytes (what the VRAM alert compares)
+DEVICE_MEMORY_EFFECTIVE_USED_BYTES = "confkv_device_memory_effective_used_bytes"
 
 # Agent.
 AGENT_ALERT_STATE = "confkv_agent_alert_state"  # gauge, labels: alert, state (0/1)

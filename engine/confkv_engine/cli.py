@@ -29,6 +29,7 @@ EXIT_BAD_CONFIG = 2
 _OVERRIDES: dict[str, tuple[str, str]] = {
     "model": ("model", "source"),
     "served_name": ("model", "served_name"),
+    "served_aliases": ("model", "served_aliases"),
     "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"),
     "host": ("engine", "host"),
@@ -60,7 +61,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--config", metavar="FILE",
         help="confkv.json (a file, or a directory holding one); flags override it")
     add("--model", help="builtin:smollm2-135m, a .gguf file or a Hugging Face model directory")
-    add("--served-name", help="model name clients send (default: derived from the model)")
+    add("--served-name", "--served-model-name", nargs="+", metavar="NAME",
+        help="model name(s) clients may send; responses carry the first, /v1/models lists all "
+             "(default: derived from the model)")
     add("--host", help="listen address (default 127.0.0.1)")
     add("--port", type=int, help="listen port (default 8000)")
     add("--device", choices=["auto", "cpu", "cuda"], help="default auto: cuda when available")
@@ -102,6 +105,9 @@ def build_config(args: argparse.Namespace) -> ConfKVConfig:
     config = load_config_file(args.config) if args.config else ConfKVConfig()
     if getattr(args, "api_key", None) is None and os.environ.get("CONFKV_API_KEY"):
         args.api_key = os.environ["CONFKV_API_KEY"]
+    names = getattr(args, "served_name", None)
+    if isinstance(names, list):  # vLLM's --served-model-name list: the first is the primary name
+        args.served_name, args.served_aliases = names[0], names[1:]
     by_section: dict[str, dict[str, object]] = {}
     for dest, (section, name) in _OVERRIDES.items():
         value = getattr(args, dest, None)

@@ -97,7 +97,7 @@ class ServerState:
                 log.info("warm-up: %d prompt(s) prefilled, %d blocks cached", ran, cached)
             self._attach_control(core, engine, str(loaded.device))
             self.serving = OpenAIServing(engine, loaded.tokenizer, self.model_name,
-                                         loaded.max_model_len, vocab)
+                                         loaded.max_model_len, vocab, cfg.model.served_aliases)
             self.engine = engine
             log.info("model %s loaded (%s, %s); max_model_len=%d", self.model_name, loaded.device,
                      loaded.dtype, loaded.max_model_len)
@@ -170,7 +170,7 @@ class ServerState:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="draining")
         if self.serving is None:
             raise APIError(503, "the model is still loading", "service_unavailable", code="not_ready")
-        if model is not None and model not in (self.model_name, self.config.model.source):
+        if model is not None and model not in (*self.serving.served_names, self.config.model.source):
             raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
         return self.serving
 

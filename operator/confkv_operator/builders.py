@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from confkv_api.config import ConfKVConfig, DeploymentSpec, dump_config
+from confkv_api.config import ConfKVConfig, dump_config
+from confkv_api.deployment import DeploymentSpec
 
 from . import names as n
 from .monitoring import build_prometheus_rule
@@ -22,7 +23,7 @@ Obj = dict[str, Any]
 
 def engine_config(spec: DeploymentSpec) -> ConfKVConfig:
     """confkv.json: the CR's five config sections plus the fields the operator owns inside the pod."""
-    engine = spec.engine.model_copy(update={
+    engine = spec.engine_section().model_copy(update={
         "host": "0.0.0.0",  # the Service reaches the engine over the pod network
         "grpc_socket": f"{n.SOCKET_DIR}/engine.sock",  # shared emptyDir, never on the network
         "cache_dir": spec.cache_storage.mount_path,
@@ -58,7 +59,9 @@ def build_service(name: str, spec: DeploymentSpec, settings: OperatorSettings) -
 
 
 def build_service_account(name: str) -> Obj:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(n.agent_account_name(name), name)}
+    # No automount for any pod using the account: only the agent container mounts a token (pod.py).
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(n.agent_account_name(name), name),
+            "automountServiceAccountToken": False}
 
 
 def build_role(name: str) -> Obj:

@@ -13,13 +13,23 @@ from typing import Any
 
 import kopf
 
-from confkv_api.config import ConfigError, DeploymentSpec, load_deployment_spec
+from confkv_api.config import ConfigError
+from confkv_api.deployment import DeploymentSpec, load_deployment_spec
 
 from . import names as n
 from .builders import build_children
+from .hostpaths import HostPathRefused, split_host_path
 from .kube import Kube, KubeError
 from .settings import OperatorSettings
-from .status import compute_status, invalid_status, last_remediation, merge_conditions, status_delta
+from .status import (
+    auth_condition,
+    compute_status,
+    invalid_status,
+    last_remediation,
+    merge_conditions,
+    open_api_message,
+    status_delta,
+)
 
 log = logging.getLogger(__name__)
 _MONITORING_GV = "monitoring.coreos.com/v1"
@@ -36,11 +46,22 @@ def _write_status(patch: kopf.Patch, current: Mapping[str, Any], desired: dict[s
         patch.status[key] = value
 
 
-def _validate(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int,
-              patch: kopf.Patch) -> DeploymentSpec | str:
+def check_spec(raw: Mapping[str, Any], settings: OperatorSettings) -> DeploymentSpec:
+    """The CR model plus the checks that need the operator's settings; raises ConfigError."""
+    spec = load_deployment_spec(dict(raw))
+    if spec.cache_storage.type == "hostPath":
+        try:
+            split_host_path(spec.cache_storage.host_path or "", settings.host_path_prefixes)
+        except HostPathRefused as err:
+            raise ConfigError(f"invalid ConfKVDeployment spec: {err}") from None
+    return spec
+
+
+def _validate(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int, patch: kopf.Patch,
+              settings: OperatorSettings) -> DeploymentSpec | str:
     """The validated spec, or the error message (after recording it in the status)."""
     try:
-        return load_deployment_spec(dict(spec))
+        return check_spec(spec, settings)
     except ConfigError as err:
         _write_status(patch, status, invalid_status(str(err), generation))
         return str(err)
@@ -64,8 +85,11 @@ def sync(body: kopf.Body, spec: DeploymentSpec, memo: kopf.Memo, patch: kopf.Pat
     for child in children:
         counts[kube.ensure(child)] += 1
     deployment = kube.get("apps/v1", "Deployment", namespace, name)
+    generation = body.metadata.get("generation") or 0
     desired = compute_status(name, namespace, spec.engine.port, spec.model.hf_id or spec.model.source,
-                             spec.replicas, body.metadata.get("generation") or 0, deployment)
+                             spec.replicas, generation, deployment)
+    ref = spec.engine.api_key_secret_ref
+    desired["conditions"].append(auth_condition(name, (ref.name, ref.key) if ref else None, generation))
     remediation = last_remediation(kube.list_pods(namespace, n.selector_string(name)))
     if remediation:
         desired["lastRemediation"] = remediation
@@ -76,7 +100,7 @@ def sync(body: kopf.Body, spec: DeploymentSpec, memo: kopf.Memo, patch: kopf.Pat
 def reconcile(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, reason: str) -> None:
     """create / resume / update: an invalid spec fails permanently (until the next edit)."""
     generation = body.metadata.get("generation") or 0
-    spec = _validate(body.get("spec") or {}, body.get("status") or {}, generation, patch)
+    spec = _validate(body.get("spec") or {}, body.get("status") or {}, generation, patch, memo.settings)
     if isinstance(spec, str):
         kopf.warn(body, reason="InvalidSpec", message=spec)
         raise kopf.PermanentError(spec)  # retried only when the spec changes
@@ -84,13 +108,16 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, reason: str) 
         counts = sync(body, spec, memo, patch)
     except KubeError as err:
         raise _temporary(err) from None
+    if spec.engine.api_key_secret_ref is None:
+        # Once per create/resume/spec change (not per resync): the condition keeps saying it meanwhile.
+        kopf.warn(body, reason="APIUnauthenticated", message=open_api_message(body.metadata.name))
     log.info("%s %s/%s: %s", reason, body.metadata.namespace, body.metadata.name, counts)
 
 
 def resync(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch) -> None:
     """Timer: restore drifted or deleted children and refresh the status. Never raises for bad specs."""
     generation = body.metadata.get("generation") or 0
-    spec = _validate(body.get("spec") or {}, body.get("status") or {}, generation, patch)
+    spec = _validate(body.get("spec") or {}, body.get("status") or {}, generation, patch, memo.settings)
     if isinstance(spec, str):
         return
     try:
@@ -117,9 +144,14 @@ def configure(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:
     # 60 s by default, which would hold the finalizer that long.
     settings.background.cancellation_polling = min(1.0, ours.resync_seconds)
     settings.peering.standalone = ours.standalone
+    # Namespace scope: no cluster-wide list/watch of CRDs and namespaces (the Role cannot grant them).
+    settings.scanning.disabled = not ours.scans_cluster
     if ours.peering_name:
         settings.peering.name = ours.peering_name
         settings.peering.priority = ours.peering_priority
+        # The chart creates one ClusterKopfPeering. With CONFKV_NAMESPACES set Kopf would otherwise look
+        # for a KopfPeering in every watched namespace (and globs cannot be enumerated).
+        settings.peering.clusterwide = True
 
 
 def register(registry: kopf.OperatorRegistry, ours: OperatorSettings, kube: Kube | None = None) -> None:

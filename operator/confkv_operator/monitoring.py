@@ -35,7 +35,7 @@ def alert_expr(key: str, rule: AlertRule, service: str) -> str:
     """PromQL for one of the four rules, scoped to one deployment's Service."""
     sel = f'{{service="{service}"}}'
     if key == "vram":
-        return (f"max({m.DEVICE_MEMORY_USED_BYTES}{sel} / {m.DEVICE_MEMORY_TOTAL_BYTES}{sel}) "
+        return (f"max({m.DEVICE_MEMORY_EFFECTIVE_USED_BYTES}{sel} / {m.DEVICE_MEMORY_TOTAL_BYTES}{sel}) "
                 f"> {rule.threshold:g}")
     if key == "latencyMs":
         buckets = f"sum by (le) (rate({_SIGNALS[_signal(rule)][0]}_bucket{sel}[5m]))"

@@ -25,6 +25,10 @@ ENGINE_CONTAINER = "confkv-engine"
 AGENT_CONTAINER = "confkv-agent"
 FETCH_CONTAINER = "fetch-model"
 RUN_AS_USER = 10001
+#: The agent's projected service account token: the path the kubernetes client's in-cluster loader reads.
+API_TOKEN_VOLUME = "kube-api-access"
+API_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+API_TOKEN_SECONDS = 3607  # the kubelet's own default for automounted tokens (refreshed before expiry)
 
 
 def config_map_name(name: str) -> str:

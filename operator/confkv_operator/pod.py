@@ -1,4 +1,11 @@
-"""Pure builder of the serving Deployment: engine container, agent sidecar, volumes, probes, security."""
+"""Pure builder of the serving Deployment: engine container, agent sidecar, volumes, probes, security.
+
+Credentials: the pod does not automount its service account token. The engine serves the network and
+never talks to the Kubernetes API, so it gets no token; the agent (Events, its pod's annotation) gets a
+projected, expiring token volume at the standard path, which the kubernetes client's in-cluster loader
+reads and refreshes. The OpenAI API key, when ``engine.apiKeySecretRef`` names one, reaches the engine
+only as ``CONFKV_API_KEY`` from the Secret (never through the ConfigMap).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,10 @@ import hashlib
 import json
 from typing import Any
 
-from confkv_api.config import DeploymentSpec
+from confkv_api.deployment import DeploymentSpec
 
 from . import names as n
+from .hostpaths import split_host_path
 from .settings import OperatorSettings
 
 _HTTP_PORT = "http"
@@ -54,11 +62,29 @@ def _resources(spec: DeploymentSpec) -> dict[str, Any]:
     return out
 
 
+def _cache_mount(spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
+    mount = {"name": "cache", "mountPath": spec.cache_storage.mount_path}
+    if spec.cache_storage.type == "hostPath":
+        _, sub_path = split_host_path(spec.cache_storage.host_path or "", settings.host_path_prefixes)
+        if sub_path:
+            mount["subPath"] = sub_path  # resolved by the kubelet inside the allowed directory
+    return mount
+
+
+def _engine_env(name: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
+    env = _env(name)
+    ref = spec.engine.api_key_secret_ref
+    if ref is not None:
+        env.append({"name": "CONFKV_API_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return env
+
+
 def _engine_container(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
     mounts = [
         {"name": "config", "mountPath": n.CONFIG_DIR, "readOnly": True},
         {"name": "socket", "mountPath": n.SOCKET_DIR},
-        {"name": "cache", "mountPath": spec.cache_storage.mount_path},
+        _cache_mount(spec, settings),
         {"name": "tmp", "mountPath": "/tmp"},
     ]
     if uses_model_volume(spec):
@@ -70,7 +96,7 @@ def _engine_container(name: str, spec: DeploymentSpec, settings: OperatorSetting
         "imagePullPolicy": spec.image.pull_policy,
         "command": ["confkv-engine", "--config", f"{n.CONFIG_DIR}/{n.CONFIG_FILE}"],
         "ports": [{"name": _HTTP_PORT, "containerPort": spec.engine.port, "protocol": "TCP"}],
-        "env": _env(name),
+        "env": _engine_env(name, spec),
         # Loading a 32B model takes minutes: the startup probe holds liveness off for up to 30 minutes.
         "startupProbe": {**_probe(probe, "/health"), "failureThreshold": 180},
         "readinessProbe": {**_probe(probe, "/ready"), "failureThreshold": 3},
@@ -105,8 +131,19 @@ def _agent_container(name: str, spec: DeploymentSpec, settings: OperatorSettings
             {"name": "config", "mountPath": n.CONFIG_DIR, "readOnly": True},
             {"name": "socket", "mountPath": n.SOCKET_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
+            {"name": n.API_TOKEN_VOLUME, "mountPath": n.API_TOKEN_DIR, "readOnly": True},
         ],
     }
+
+
+def _api_token_volume() -> dict[str, Any]:
+    """What the kubelet would automount (token, cluster CA, namespace), for the agent container only."""
+    return {"name": n.API_TOKEN_VOLUME, "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": n.API_TOKEN_SECONDS}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace",
+                                    "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+    ]}}
 
 
 def _fetch_container(spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
@@ -129,22 +166,25 @@ def _fetch_container(spec: DeploymentSpec, settings: OperatorSettings) -> dict[s
     }
 
 
-def _cache_volume(spec: DeploymentSpec) -> dict[str, Any]:
+def _cache_volume(spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
     storage = spec.cache_storage
     if storage.type == "pvc":
         return {"name": "cache", "persistentVolumeClaim": {"claimName": storage.claim_name}}
     if storage.type == "hostPath":
-        return {"name": "cache", "hostPath": {"path": storage.host_path, "type": "DirectoryOrCreate"}}
+        # The allowed directory itself, which must exist: nothing is created on the node outside it.
+        root, _ = split_host_path(storage.host_path or "", settings.host_path_prefixes)
+        return {"name": "cache", "hostPath": {"path": root, "type": "Directory"}}
     return {"name": "cache", "emptyDir": {"sizeLimit": storage.size} if storage.size else {}}
 
 
-def _volumes(name: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
+def _volumes(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         # Mounted as a directory (no subPath) so ConfigMap updates reach running pods.
         {"name": "config", "configMap": {"name": n.config_map_name(name)}},
         {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-        _cache_volume(spec),
+        _cache_volume(spec, settings),
+        _api_token_volume(),
     ]
     if uses_model_volume(spec):
         claim = spec.model_storage.claim_name
@@ -157,6 +197,7 @@ def _volumes(name: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
 def _pod_spec(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "serviceAccountName": n.agent_account_name(name),
+        "automountServiceAccountToken": False,  # only the agent container mounts a token (see above)
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "securityContext": {
@@ -164,7 +205,7 @@ def _pod_spec(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> di
             "fsGroup": n.RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [_engine_container(name, spec, settings), _agent_container(name, spec, settings)],
-        "volumes": _volumes(name, spec),
+        "volumes": _volumes(name, spec, settings),
     }
     if spec.model.hf_id:
         pod["initContainers"] = [_fetch_container(spec, settings)]

@@ -13,7 +13,7 @@ from typing import Any
 from . import names as n
 
 Obj = Mapping[str, Any]
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "APIAuthenticated")
 
 
 def _deployment_state(dep: Obj | None, desired: int) -> tuple[int, int, bool, str]:
@@ -96,6 +96,20 @@ def compute_status(name: str, namespace: str, port: int, model: str, desired: in
             _condition("InvalidSpec", False, "Valid", "", generation),
         ],
     }
+
+
+def open_api_message(name: str) -> str:
+    return (f"the OpenAI API (/v1) of Service {name} accepts requests from anyone who can reach it on the "
+            "cluster network: set spec.engine.apiKeySecretRef to a Secret key holding a bearer key")
+
+
+def auth_condition(name: str, secret_key: tuple[str, str] | None, generation: int) -> dict[str, Any]:
+    """``APIAuthenticated``: True when the engine requires a bearer key from (Secret, key)."""
+    if secret_key is None:
+        return _condition("APIAuthenticated", False, "NoAPIKey", open_api_message(name), generation)
+    secret, key = secret_key
+    return _condition("APIAuthenticated", True, "APIKeyFromSecret",
+                      f"/v1 requires the bearer key in Secret {secret} (key {key})", generation)
 
 
 def last_remediation(pods: Sequence[Obj]) -> dict[str, Any] | None:

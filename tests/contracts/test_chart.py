@@ -13,6 +13,7 @@ from contract_tools import (
     CHART,
     CI_VALUES,
     CRD_FILE,
+    NAMESPACE,
     REPO,
     find_obj,
     helm_template_argv,
@@ -22,7 +23,7 @@ from contract_tools import (
     run,
 )
 
-VALUE_SETS = {"default": (), "ci": ("-f", str(CI_VALUES))}
+VALUE_SETS = {"default": (), "ci": ("-f", str(CI_VALUES)), "namespace": ("--set", "scope=namespace")}
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,12 @@ def test_cluster_role_equals_operator_rules(helm: str) -> None:
     ("--set", "unknownKey=1"),
     ("--set", "operator.livenessPort=80"),
     ("--set", "serviceMonitor.interval=soon"),
+    ("--set", "scope=tenant"),
+    ("--set", "scope=namespace", "--set", "operator.watchNamespaces={a}"),
+    ("--set", "scope=namespace", "--set", "replicaCount=2"),
+    ("--set", "operator.hostPathPrefixes={/}"),
+    ("--set", "operator.hostPathPrefixes={/data/../etc}"),
+    ("--set", "operator.hostPathPrefixes={data}"),
 ])
 def test_values_schema_rejects_bad_values(helm: str, bad: tuple[str, ...]) -> None:
     proc = run(helm_template_argv(helm, *bad), check=False)
@@ -203,7 +210,7 @@ def test_dashboard_covers_every_metric(helm: str) -> None:
 
 def test_service_monitor_selects_operator_services(helm: str) -> None:
     sys.path.insert(0, str(REPO / "operator"))
-    from confkv_api.config import DeploymentSpec
+    from confkv_api.deployment import DeploymentSpec
     from confkv_operator.builders import build_service
     from confkv_operator.settings import OperatorSettings
 
@@ -225,3 +232,54 @@ def test_notes_render(helm: str, values: str) -> None:
     assert "kubectl apply -f examples/" in notes
     example = notes.split("kubectl apply -f ", 1)[1].split()[0]
     assert (REPO / example).is_file(), f"NOTES points at a missing example {example}"
+
+
+def _operator_env(objs: list[dict[str, Any]]) -> dict[str, str]:
+    container = find_obj(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+#: Kinds that exist outside namespaces: a namespaced install's Role must name none of them.
+CLUSTER_SCOPED_RESOURCES = {"namespaces", "nodes", "persistentvolumes", "customresourcedefinitions",
+                            "clusterroles", "clusterrolebindings", "clusterkopfpeerings",
+                            "validatingadmissionpolicies", "validatingadmissionpolicybindings"}
+
+
+def test_namespace_scope_uses_a_role_and_watches_only_the_release_namespace(helm: str) -> None:
+    sys.path.insert(0, str(REPO / "operator"))
+    from confkv_operator.rbac import OPERATOR_NAMESPACE_RULES
+    from confkv_operator.settings import load_settings
+
+    objs = render(helm, "--set", "scope=namespace")
+    kinds = {o["kind"] for o in objs}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    role, binding = find_obj(objs, "Role"), find_obj(objs, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == OPERATOR_NAMESPACE_RULES
+    named = {r for rule in role["rules"] for r in rule["resources"]}
+    assert not named & CLUSTER_SCOPED_RESOURCES
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    env = _operator_env(objs)
+    assert (env["CONFKV_NAMESPACES"], env["CONFKV_WATCH_SCOPE"]) == (NAMESPACE, "namespace")
+    settings = load_settings(env)
+    assert settings.namespaces == (NAMESPACE,) and not settings.scans_cluster
+
+
+def test_cluster_scope_with_a_namespace_list_may_scan_namespaces(helm: str) -> None:
+    sys.path.insert(0, str(REPO / "operator"))
+    from confkv_operator.rbac import NAMESPACE_SCAN_RULES, OPERATOR_RULES, expand
+
+    listed = find_obj(render(helm, "--set", "operator.watchNamespaces={ml-*}"), "ClusterRole")
+    assert expand(listed["rules"]) == expand(OPERATOR_RULES) | expand(NAMESPACE_SCAN_RULES)
+    everywhere = find_obj(render(helm), "ClusterRole")
+    assert not expand(everywhere["rules"]) & expand(NAMESPACE_SCAN_RULES)
+
+
+def test_host_path_prefixes_reach_the_operator(helm: str) -> None:
+    sys.path.insert(0, str(REPO / "operator"))
+    from confkv_operator.settings import load_settings
+
+    assert load_settings(_operator_env(render(helm))).host_path_prefixes == ()
+    env = _operator_env(render(helm, "--set", "operator.hostPathPrefixes={/mnt/nvme/,/data}"))
+    assert load_settings(env).host_path_prefixes == ("/mnt/nvme", "/data")

@@ -11,7 +11,8 @@ import pytest
 from contract_tools import example_crs, load_crd
 from crd_schema import apply_defaults, cel_failures, cel_rules, structural_errors, version_schema
 
-from confkv_api.config import ConfigError, load_deployment_spec
+from confkv_api.config import ConfigError
+from confkv_api.deployment import load_deployment_spec
 
 CRD = load_crd()
 SCHEMA = version_schema(CRD)
@@ -42,6 +43,8 @@ GOOD: dict[str, dict[str, Any]] = {
            "modelStorage": {"claimName": "models"}},
     "chunk-equals-budget": {"engine": {"prefillChunk": 256, "maxNumBatchedTokens": 256}},
     "gpu": {"resources": {"gpusPerPod": 1}, "engine": {"device": "cuda"}, "model": {"dtype": "bfloat16"}},
+    "api-key": {"engine": {"apiKeySecretRef": {"name": "demo-api", "key": "api-key"}}},
+    "hostpath-dotted-name": {"cacheStorage": {"type": "hostPath", "hostPath": "/mnt/.nvme/...x"}},
 }
 
 # name -> (spec, a fragment of the expected message: a CEL rule's message or a structural error)
@@ -57,6 +60,7 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "token-without-hf": ({"model": {"tokenSecretRef": "hf"}}, "tokenSecretRef is only used with hfId"),
     "pvc-without-claim": ({"cacheStorage": {"type": "pvc"}}, "type pvc needs claimName"),
     "hostpath-without-path": ({"cacheStorage": {"type": "hostPath"}}, "type hostPath needs hostPath"),
+    "hostpath-without-type": ({"cacheStorage": {"hostPath": "/mnt/nvme"}}, "hostPath is only used with type"),
     "hf-outside-mount": ({"model": {"hfId": "Qwen/Qwen2.5-0.5B", "source": "/data/qwen"}},
                          "model.source under modelStorage.mountPath"),
     "lru-k-zero": ({"confkv": {"eviction": {"k": 0}}}, "minimum"),
@@ -66,6 +70,15 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "bad-cache-size": ({"confkv": {"maxCacheSize": "lots"}}, "lots"),
     "negative-replicas": ({"replicas": -1}, "minimum"),
     "budget-zero": ({"confkv": {"budget": 0}}, "minimum"),
+    # The node's root and path tricks never pass the schema (the allow-list itself is the operator's).
+    **{f"hostpath-{label}": ({"cacheStorage": {"type": "hostPath", "hostPath": path}}, "does not match")
+       for label, path in (("root", "/"), ("parent", "/data/../etc"), ("dot", "/data/./x"),
+                           ("trailing-slash", "/data/"), ("double-slash", "//etc"), ("relative", "data"))},
+    "api-key-without-key": ({"engine": {"apiKeySecretRef": {"name": "demo-api"}}}, "'key' is a required"),
+    "api-key-bad-secret-name": ({"engine": {"apiKeySecretRef": {"name": "Demo_API", "key": "k"}}},
+                                "does not match"),
+    "api-key-as-string": ({"engine": {"apiKeySecretRef": "demo-api"}}, "is not of type"),
+    "api-key-inline": ({"engine": {"apiKey": "s3cret"}}, "apiKey"),
 }
 
 # Rules that the structural schema already enforces (so the server never reaches them) are checked by

@@ -59,6 +59,24 @@ def test_bases_are_pinned(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_bases_are_digest_pinned_or_say_how(path: Path) -> None:
+    """Every base is either pinned by a well-formed digest or, where no digest could be verified, has the
+    commented recipe for pinning it right above its ARG; no unpinned `# syntax=` frontend image."""
+    text = path.read_text()
+    assert not re.search(r"^#\s*syntax=(?!.*@sha256:[0-9a-f]{64})", text, re.MULTILINE), "unpinned frontend"
+    for name, image in _args(path).items():
+        if not name.endswith("_IMAGE"):
+            continue
+        if "@" in image:
+            assert re.fullmatch(r"[^@\s]+:[^@\s]+@sha256:[0-9a-f]{64}", image), f"malformed digest {image}"
+            continue
+        comment = text.split(f"ARG {name}=")[0].rsplit("\n\n", 1)[-1]
+        recipe = f"--build-arg {name}={image}@sha256:"
+        assert recipe in comment, f"{path.name}: {name} neither pinned by digest nor documented"
+        assert "imagetools inspect" in comment
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_runs_as_non_root(path: Path) -> None:
     users = [rest for word, rest in _instructions(path) if word == "USER"]
     assert users, f"{path.name} has no USER"
@@ -78,7 +96,7 @@ def test_engine_image_pins_torch_and_the_embedded_model() -> None:
 
 def test_engine_image_provides_every_pod_command() -> None:
     """The operator runs these programs from the engine image: each must be installed there."""
-    from confkv_api.config import load_deployment_spec
+    from confkv_api.deployment import load_deployment_spec
     from confkv_operator.pod import build_deployment
     from confkv_operator.settings import OperatorSettings
 

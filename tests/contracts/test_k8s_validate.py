@@ -24,7 +24,7 @@ from contract_tools import (
 
 sys.path.insert(0, str(REPO / "operator"))
 
-from confkv_api.config import DeploymentSpec, load_deployment_spec  # noqa: E402
+from confkv_api.deployment import DeploymentSpec, load_deployment_spec  # noqa: E402
 from confkv_operator.builders import build_children  # noqa: E402
 from confkv_operator.settings import OperatorSettings  # noqa: E402
 
@@ -35,6 +35,7 @@ OTHER_CHECKS = {
     "ConfKVDeployment": "custom kind; validated against the CRD schema in test_crd_schema.py",
 }
 MONITORING = frozenset({"ServiceMonitor", "PrometheusRule"})
+SETTINGS = OperatorSettings(host_path_prefixes=("/mnt/nvme",))  # GPU_SPEC caches on a node NVMe
 
 GPU_SPEC = {
     "model": {"source": "/models/qwen2.5-32b", "hfId": "Qwen/Qwen2.5-32B-Instruct", "dtype": "bfloat16",
@@ -54,7 +55,7 @@ def _builder_cases() -> list[tuple[str, dict[str, Any]]]:
         specs[f"example-{label}"] = load_deployment_spec(cr.get("spec", {}))
     cases = []
     for label, spec in specs.items():
-        for obj in build_children("demo", "serving", spec, OperatorSettings(), monitoring=MONITORING):
+        for obj in build_children("demo", "serving", spec, SETTINGS, monitoring=MONITORING):
             cases.append((f"builder-{label}-{obj['kind']}", obj))
     return cases
 
@@ -64,7 +65,9 @@ def _chart_cases() -> list[tuple[str, dict[str, Any] | None]]:
     if helm is None:
         return [("chart-helm-missing", None)]
     cases: list[tuple[str, dict[str, Any] | None]] = []
-    for label, extra in (("default", ()), ("ci", ("-f", str(CI_VALUES)))):
+    value_sets = (("default", ()), ("ci", ("-f", str(CI_VALUES))),
+                  ("namespace", ("--set", "scope=namespace")))
+    for label, extra in value_sets:
         for obj in render(helm, *extra):
             cases.append((f"chart-{label}-{obj['kind']}-{obj['metadata']['name']}", obj))
     return cases

@@ -75,11 +75,12 @@ def _inputs(alerts: AlertsSection, length: int) -> dict[str, tuple[Series, Serie
     vram, hit = alerts.vram.threshold, alerts.hit_rate.threshold
     total = 80e9
     oom = alerts.oom_per_hour.threshold
+    used = m.DEVICE_MEMORY_EFFECTIVE_USED_BYTES  # the pool's reclaimable bytes are not "used"
     return {
         "ConfKVHighVRAM": (
-            [_series(m.DEVICE_MEMORY_USED_BYTES, f"{total * min(1.0, vram + 0.05):.0f}x{length}", device="0"),
+            [_series(used, f"{total * min(1.0, vram + 0.05):.0f}x{length}", device="0"),
              _series(m.DEVICE_MEMORY_TOTAL_BYTES, f"{total:.0f}x{length}", device="0")],
-            [_series(m.DEVICE_MEMORY_USED_BYTES, f"{total * (vram - 0.05):.0f}x{length}", device="0"),
+            [_series(used, f"{total * (vram - 0.05):.0f}x{length}", device="0"),
              _series(m.DEVICE_MEMORY_TOTAL_BYTES, f"{total:.0f}x{length}", device="0")],
         ),
         "ConfKVHighLatency": _latency(alerts.latency_ms.signal, alerts.latency_ms.threshold, length),
@@ -219,7 +220,7 @@ def test_the_agents_quantile_equals_promql_histogram_quantile(promtool: str, tmp
 
 
 def test_the_operator_gives_a_deployment_without_gpus_the_cpu_threshold() -> None:
-    from confkv_api.config import load_deployment_spec
+    from confkv_api.deployment import load_deployment_spec
     from confkv_operator.builders import build_children
     from confkv_operator.settings import OperatorSettings
 

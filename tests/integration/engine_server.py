@@ -9,7 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,14 @@ class EngineServer:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def running_server(log_dir: Path, *flags: str, api_key: str | None = None) -> Iterator[EngineServer]:
+    """A started and ready server, stopped on exit (for module fixtures)."""
+    srv = EngineServer(log_dir, *flags, api_key=api_key)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()

@@ -68,6 +68,8 @@ def test_a_shared_system_prompt_is_a_hit_with_the_same_answer(server: EngineServ
     warm = _complete(server, SYSTEM + "Which component schedules requests?")
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
     want = 16 * (cold["usage"]["prompt_tokens"] // 16 - 1)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= want  # reported per request
     # GetStatus reads the engine's snapshot taken after each step: it may lag the HTTP answer a step.
     after = wait_for(lambda: (s := _status(workdir / "e.sock")).prefix_hit_tokens - before.prefix_hit_tokens
                      >= want and s, "the hit in GetStatus")

@@ -1,5 +1,7 @@
 """Every permission the operator's requests use, from the emulator's request log, against the RBAC data
-(``confkv_operator.rbac``) and the chart's copy of it: exactly, no more, no less.
+(``confkv_operator.rbac``) and the chart's copy of it: exactly, no more, no less, in each install mode
+(cluster-wide; cluster scope with a namespace list; the namespaced install, which must make no
+cluster-scoped request at all).
 
 The scenario walks every code path that talks to the API: start-up (Kopf's CRD and CR watches), create
 with the monitoring CRDs installed, status updates, a policy update, an invalid spec (Kopf posts an Event),
@@ -13,7 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from confkv_operator.rbac import AGENT_RULES, OPERATOR_API_RULES, OPERATOR_RULES, expand
+from confkv_operator.rbac import (
+    AGENT_RULES,
+    NAMESPACE_SCAN_RULES,
+    OPERATOR_API_RULES,
+    OPERATOR_NAMESPACE_RULES,
+    OPERATOR_RULES,
+    expand,
+    namespaced_only,
+)
 from tests.k8s_emulator import KubeEmulator
 from tests.operator.operator_harness import API_VERSION, ROOT, OperatorThread, cr, install_crds
 
@@ -54,29 +64,45 @@ def _scenario(api: KubeEmulator) -> None:
         wait(lambda name=name: api.get(API_VERSION, "ckv", name, NS) is None, 20, message=f"{name} deleted")
 
 
+MODES = {
+    "clusterwide": ({}, expand(OPERATOR_API_RULES)),
+    "namespace-list": ({"CONFKV_NAMESPACES": NS}, expand(OPERATOR_API_RULES) | expand(NAMESPACE_SCAN_RULES)),
+    "namespace-scope": ({"CONFKV_NAMESPACES": NS, "CONFKV_WATCH_SCOPE": "namespace"},
+                        expand(namespaced_only(OPERATOR_API_RULES))),
+}
+
+
 @pytest.mark.timeout(120)
-def test_request_log_matches_the_rbac_rules_exactly() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_request_log_matches_the_rbac_rules_exactly(mode: str) -> None:
+    env, declared = MODES[mode]
     with KubeEmulator() as api:
         api.activate()
         try:
             install_crds(api, monitoring=True)
-            with OperatorThread(api, resync_seconds=0.5):
+            with OperatorThread(api, resync_seconds=0.5, **env):
                 _scenario(api)
             used = set(api.rbac_usage())
+            outside = sorted({(r.verb, r.path) for r in api.request_log if r.namespace != NS})
         finally:
             api.deactivate()
-    declared = expand(OPERATOR_API_RULES)
-    assert sorted(used - declared) == [], "requests the ClusterRole would forbid"
+    assert sorted(used - declared) == [], "requests the operator's role would forbid"
     assert sorted(declared - used) == [], "permissions granted but never used"
+    if mode == "namespace-scope":
+        assert outside == [], "a namespaced install must not read or write outside its namespace"
 
 
-def test_chart_cluster_role_is_the_rbac_data() -> None:
+def test_chart_rules_are_the_rbac_data() -> None:
     chart = yaml.safe_load(CHART_RULES.read_text())
-    assert expand(chart) == expand(OPERATOR_RULES) == expand(OPERATOR_API_RULES) | expand(AGENT_RULES)
+    assert expand(chart["cluster"]) == expand(OPERATOR_RULES) == (
+        expand(OPERATOR_API_RULES) | expand(AGENT_RULES))
+    assert expand(chart["namespace"]) == expand(OPERATOR_NAMESPACE_RULES) == (
+        expand(namespaced_only(OPERATOR_API_RULES)) | expand(AGENT_RULES))
+    assert expand(chart["namespaceScan"]) == expand(NAMESPACE_SCAN_RULES)
 
 
 def test_rbac_module_is_plain_data() -> None:
     # The chart renders the rules from this data: only apiGroups/resources/verbs keys, sorted verbs.
-    for rule in OPERATOR_RULES:
+    for rule in [*OPERATOR_RULES, *OPERATOR_NAMESPACE_RULES]:
         assert set(rule) == {"apiGroups", "resources", "verbs"} and rule["verbs"] == sorted(rule["verbs"])
     assert Path(__file__).exists()

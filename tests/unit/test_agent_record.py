@@ -117,6 +117,25 @@ def test_without_nvml_the_engine_report_is_used_and_said(caplog: pytest.LogCaptu
     assert vram_reading(nvml, None).fraction is None
 
 
+def test_a_reserved_but_empty_kv_pool_does_not_read_as_a_full_gpu() -> None:
+    # NVML (a fake library: no GPU here) sees 90 of 100 GiB used, 60 of them the engine's KV pool, of
+    # which 55 hold nothing a running request needs: the alert compares 35%, not 90%.
+    gib = 1 << 30
+    status = pb.EngineStatus(device_memory=pb.DeviceMemory(device="cuda:0", used_bytes=90 * gib,
+                                                           total_bytes=100 * gib,
+                                                           effective_used_bytes=35 * gib),
+                             kv_bytes_reclaimable=55 * gib)
+    reading = vram_reading(NvmlReader(FakeNvml([(90 * gib, 100 * gib), (20 * gib, 100 * gib)])), status)
+    assert reading.source == "nvml" and reading.fraction == pytest.approx(0.35)
+    assert [g.used_bytes for g in reading.gpus] == [35 * gib, 20 * gib]  # only the engine's GPU
+    no_nvml = NvmlReader(FakeNvml([], fail_init=RuntimeError("no driver")))
+    assert vram_reading(no_nvml, status).fraction == pytest.approx(0.35)  # the engine's own figure
+    mem = pb.DeviceMemory(device="cuda:0", used_bytes=90 * gib, total_bytes=100 * gib,
+                          effective_used_bytes=88 * gib)
+    full = pb.EngineStatus(device_memory=mem, kv_bytes_reclaimable=2 * gib)
+    assert vram_reading(NvmlReader(FakeNvml([(90 * gib, 100 * gib)])), full).fraction == pytest.approx(0.88)
+
+
 def test_json_logs_carry_structured_fields() -> None:
     record = logging.LogRecord("confkv.agent", logging.INFO, __file__, 1, "remediation %s", ("x",), None)
     record.fields = {"alert": "vram", "result": "applied"}

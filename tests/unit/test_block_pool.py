@@ -84,3 +84,23 @@ def test_block_bytes_and_budget_sizing() -> None:
     assert resolve_cache_bytes(("bytes", 12345.0), torch.device("cpu")) == 12345
     assert resolve_cache_bytes(None, torch.device("cpu")) == 1 << 30
     assert 0 < resolve_cache_bytes(("fraction", 0.01), torch.device("cpu"))
+
+
+def test_live_resize_evicts_cached_blocks_first_and_never_takes_held_ones() -> None:
+    cache = KVCache(CacheSpec(2, 2, 4, 4, torch.float32, torch.device("cpu")), 11, prefix_salt=b"m")
+    running, done = SeqKV(), SeqKV()
+    for seq in (running, done):
+        cache.reserve(seq, 8)
+        cache.plan_writes([seq], [8], torch.arange(8))
+        cache.commit(seq, 8)
+    cache.register(done, list(range(100, 108)))
+    cache.free(done)  # 4 blocks stay cached and evictable
+    assert (cache.num_blocks, cache.num_free, len(cache.eviction)) == (10, 6, 2)
+    assert cache.resize(5) == 5 and len(cache.eviction) == 0  # free blocks, then the cached ones
+    assert cache.num_free == 1 and cache.held_blocks(running) == 4
+    with pytest.raises(ValueError, match="running requests hold"):
+        cache.resize(3)
+    with pytest.raises(ValueError, match="needs a restart"):
+        cache.resize(11)
+    assert cache.resize(10) == 10 and cache.num_free == 6
+    assert cache.reclaimable_bytes == 6 * cache.spec.block_bytes

@@ -100,3 +100,10 @@ def test_engine_and_its_agent_exit_when_the_control_plane_cannot_start(tmp_path:
     assert str(tmp_path / "m") not in out.stderr  # refused before the model load started
     left = [p for p in psutil.process_iter(["cmdline"]) if sock in (p.info["cmdline"] or [])]
     assert left == []  # the agent went with the engine
+
+
+def test_served_model_name_list_gives_primary_and_aliases() -> None:
+    config = _config(["--served-model-name", "main", "alias-a", "alias-b"])
+    assert config.model.served_name == "main" and config.model.served_aliases == ["alias-a", "alias-b"]
+    single = _config(["--served-name", "solo"])
+    assert single.model.served_name == "solo" and single.model.served_aliases == []

@@ -7,6 +7,7 @@ are covered by tests/integration/test_control_grpc.py."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,8 +20,10 @@ from confkv_agent.apply import EngineClient, EngineError
 from confkv_agent.kube import KubeRecorder
 from confkv_agent.loop import Agent
 from confkv_api.config import load_config
+from confkv_api.v1 import control_pb2 as pb
+from confkv_api.v1 import control_pb2_grpc as pb_grpc
 from confkv_engine.control.policy import PolicyInvalid, PolicyNotLive, PolicyStore
-from confkv_engine.control.servicer import ControlPlane, ControlPlaneError, socket_path
+from confkv_engine.control.servicer import MAX_WATCH_STREAMS, ControlPlane, ControlPlaneError, socket_path
 from confkv_engine.core.control_api import BATCH_FIELD, EngineStats
 
 
@@ -254,3 +257,61 @@ def test_without_a_config_file_the_engine_start_up_policy_is_the_baseline(plane:
     agent.tick(70)  # healthy from here
     agent.tick(80)
     assert engine.scheduler.max_batch_size == 8  # back to what the engine started with
+
+
+def _raw_stub(sock: str) -> tuple[grpc.Channel, pb_grpc.EngineControlStub]:
+    channel = grpc.insecure_channel(f"unix://{sock}")
+    return channel, pb_grpc.EngineControlStub(channel)
+
+
+@pytest.mark.parametrize("text", [
+    '{"window":' * 5000 + "1" + "}" * 5000,  # RecursionError in the JSON parser
+    '{"eviction": {"k": true}}', '{"confidenceThresholds": {"high": "0.95"}}',
+    '{"window": 1' + "0" * 30 + "}", '{"maxCacheSize": "1' + "0" * 400 + '"}', '{"sinks": NaN}',
+    '{"sinks": ' + "7" * 5000 + "}",
+])
+def test_hostile_policy_patches_are_invalid_argument(plane: Any, text: str) -> None:
+    cp, _, _, sock = plane
+    channel, stub = _raw_stub(sock)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdatePolicy(pb.UpdatePolicyRequest(confkv_json=text, reason="hostile"), timeout=10)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert cp.store is not None and cp.store.current.version == 1
+    channel.close()
+
+
+def _open_stream(stub: pb_grpc.EngineControlStub) -> tuple[Any, Any]:
+    """A WatchStatus stream and its first status, or the RpcError that refused it."""
+    stream = stub.WatchStatus(pb.WatchStatusRequest(interval_seconds=3600), timeout=30)
+    try:
+        return stream, next(stream)
+    except grpc.RpcError as err:
+        return stream, err
+
+
+def test_many_watch_streams_never_starve_the_unary_rpcs(plane: Any) -> None:
+    _, engine, _, sock = plane
+    channel, stub = _raw_stub(sock)
+    opened = [_open_stream(stub) for _ in range(40)]
+    refused = [o for _, o in opened if isinstance(o, grpc.RpcError)]
+    assert len(opened) - len(refused) == MAX_WATCH_STREAMS
+    assert {err.code() for err in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    # Every stream's worker is taken; the unary RPCs still have theirs.
+    for _ in range(3 * MAX_WATCH_STREAMS):
+        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).model == "tiny"
+    stub.UpdatePolicy(pb.UpdatePolicyRequest(max_batch_size=4, reason="while watched"), timeout=10)
+    assert engine.scheduler.max_batch_size == 4
+    # A stream that goes away frees its slot at once, not after its hour-long interval.
+    for stream, _ in opened:
+        stream.cancel()
+
+    def reopened() -> bool:
+        stream, first = _open_stream(stub)
+        stream.cancel()
+        return isinstance(first, pb.EngineStatus)
+
+    deadline = time.monotonic() + 20
+    while not reopened():
+        assert time.monotonic() < deadline, "no WatchStatus slot came free after the streams ended"
+        time.sleep(0.1)
+    channel.close()

@@ -7,13 +7,15 @@ from typing import Any
 
 import pytest
 
-from confkv_api.config import ConfigError, load_config, load_deployment_spec
+from confkv_api.config import ConfigError, load_config
+from confkv_api.deployment import load_deployment_spec
 from confkv_operator import names as n
 from confkv_operator.builders import build_children, build_config_map, build_role, engine_config
 from confkv_operator.pod import build_deployment
 from confkv_operator.settings import load_settings
 
-SETTINGS = load_settings({"CONFKV_ENGINE_IMAGE": "registry.local/confkv:1", "CONFKV_AGENT_PORT": "9200"})
+SETTINGS = load_settings({"CONFKV_ENGINE_IMAGE": "registry.local/confkv:1", "CONFKV_AGENT_PORT": "9200",
+                          "CONFKV_HOST_PATH_PREFIXES": "/mnt/nvme"})
 
 
 def _deployment(spec: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +83,7 @@ def test_pod_security_probes_and_volumes() -> None:
 @pytest.mark.parametrize(("storage", "expected"), [
     ({"type": "pvc", "claimName": "nvme"}, {"persistentVolumeClaim": {"claimName": "nvme"}}),
     ({"type": "hostPath", "hostPath": "/mnt/nvme"},
-     {"hostPath": {"path": "/mnt/nvme", "type": "DirectoryOrCreate"}}),
+     {"hostPath": {"path": "/mnt/nvme", "type": "Directory"}}),
     ({"size": "20Gi"}, {"emptyDir": {"sizeLimit": "20Gi"}}),
 ])
 def test_cache_volume(storage: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -127,7 +129,7 @@ def test_restart_fields_change_the_pod_template(change: dict[str, Any]) -> None:
 
 
 def test_config_map_is_the_engine_document_with_pod_owned_fields() -> None:
-    spec = load_deployment_spec({"engine": {"host": "10.0.0.1"}, "confkv": {"eviction": {"k": 4}},
+    spec = load_deployment_spec({"confkv": {"eviction": {"k": 4}},
                                  "cacheStorage": {"mountPath": "/nvme"}})
     doc = json.loads(build_config_map("demo", spec)["data"][n.CONFIG_FILE])
     config = load_config(doc)  # the engine's and agent's own parser accepts it
@@ -142,7 +144,8 @@ def test_agent_role_is_namespaced_and_minimal() -> None:
     triples = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}
     assert triples == {("", "pods", "get"), ("", "pods", "patch"), ("", "events", "create"),
-                       ("confkv.io", "confkvdeployments", "get")}
+                       ("confkv.io", "confkvdeployments", "get"),
+                       ("confkv.io", "confkvdeployments/agent", "get")}  # the admission policy's marker
     cr_rule = next(r for r in role["rules"] if "confkvdeployments" in r["resources"])
     assert cr_rule["resourceNames"] == ["demo"]
 
@@ -163,6 +166,8 @@ def test_gpu_pods_replace_without_surge() -> None:
     ({"confkv": {"maxCacheSize": "80 percent"}}, "invalid size"),
     ({"replicas": -1}, "replicas"),
     ({"unknown": 1}, "unknown key 'unknown'"),
+    ({"engine": {"host": "10.0.0.1"}}, "host set by the operator"),
+    ({"engine": {"apiKey": "s3cret"}}, "apiKey set by the operator, not by the spec; put the API key"),
 ])
 def test_invalid_specs_are_rejected_with_the_key_named(spec: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ConfigError, match="invalid ConfKVDeployment spec") as info:

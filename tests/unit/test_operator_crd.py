@@ -15,7 +15,13 @@ import yaml
 from annotated_types import Ge, Gt, Le
 from pydantic import BaseModel
 
-from confkv_api.config import OPERATOR_OWNED_FIELDS, ConfKVConfig, DeploymentSpec, load_deployment_spec
+from confkv_api.config import ConfKVConfig
+from confkv_api.deployment import (
+    ENGINE_DEPLOYMENT_FIELDS,
+    OPERATOR_OWNED_FIELDS,
+    DeploymentSpec,
+    load_deployment_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "confkvdeployments.confkv.io.yaml"
@@ -164,8 +170,13 @@ def test_every_field_matches_the_model_both_ways(spec_schema: dict[str, Any]) ->
 
 
 def test_confkv_json_sections_are_in_the_spec() -> None:
+    """Each confkv.json section is in the spec as is; only the engine adds deployment-only fields."""
     for name in ConfKVConfig.model_fields:
-        assert DeploymentSpec.model_fields[name].annotation is ConfKVConfig.model_fields[name].annotation
+        in_spec = DeploymentSpec.model_fields[name].annotation
+        in_file = ConfKVConfig.model_fields[name].annotation
+        assert isinstance(in_spec, type) and issubclass(in_spec, in_file)
+        added = set(in_spec.model_fields) - set(in_file.model_fields)
+        assert added == (set(ENGINE_DEPLOYMENT_FIELDS) if name == "engine" else set()), name
 
 
 def test_structural_defaults_equal_model_defaults(spec_schema: dict[str, Any]) -> None:
@@ -185,5 +196,5 @@ def test_cel_rules_cover_the_model_validators(spec_schema: dict[str, Any]) -> No
     rules = yaml.safe_dump(spec_schema)
     for fragment in ("self.high > self.medium", "self.k >= 1", "has(self.budgetTokens)",
                      "self.prefillChunk <= self.maxNumBatchedTokens", "has(self.claimName)",
-                     "has(self.hostPath)", "self.model.source.startsWith"):
+                     "has(self.hostPath)", "!has(self.hostPath)", "self.model.source.startsWith"):
         assert fragment in rules

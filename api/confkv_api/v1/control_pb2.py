@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63onfkv_api/v1/control.proto\x12\tconfkv.v1\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"G\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\"I\n\tHistogram\x12\x14\n\x0cupper_bounds\x18\x01 \x03(\x01\x12\x19\n\x11\x63umulative_counts\x18\x02 \x03(\x03\x12\x0b\n\x03sum\x18\x03 \x01(\x01\"\xa4\x06\n\x0c\x45ngineStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x15\n\rkv_bytes_used\x18\x08 \x01(\x03\x12\x16\n\x0ekv_bytes_total\x18\t \x01(\x03\x12\x19\n\x11kv_bytes_key_only\x18\n \x01(\x03\x12\x19\n\x11preemptions_total\x18\x0b \x01(\x03\x12\x11\n\toom_total\x18\x0c \x01(\x03\x12\x1b\n\x13prompt_tokens_total\x18\r \x01(\x03\x12\x1e\n\x16generated_tokens_total\x18\x0e \x01(\x03\x12\x15\n\rlatency_count\x18\x0f \x01(\x03\x12\x1b\n\x13latency_seconds_sum\x18\x10 \x01(\x01\x12\x1b\n\x13\x61vg_latency_seconds\x18\x11 \x01(\x01\x12\x1c\n\x14prefix_cache_enabled\x18\x12 \x01(\x08\x12\x1d\n\x15prefix_queried_tokens\x18\x13 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x14 \x01(\x03\x12.\n\rdevice_memory\x18\x15 \x01(\x0b\x32\x17.confkv.v1.DeviceMemory\x12\x16\n\x0epolicy_version\x18\x16 \x01(\x03\x12\x13\n\x0bpolicy_json\x18\x17 \x01(\t\x12\x1b\n\x13startup_policy_json\x18\x18 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x19 \x03(\t\x12\x31\n\x13time_to_first_token\x18\x1a \x01(\x0b\x32\x14.confkv.v1.Histogram\x12\x33\n\x15time_per_output_token\x18\x1b \x01(\x0b\x32\x14.confkv.v1.Histogram\x12-\n\x0frequest_latency\x18\x1c \x01(\x0b\x32\x14.confkv.v1.Histogram\"\xab\x01\n\x13UpdatePolicyRequest\x12\x13\n\x0b\x63onfkv_json\x18\x01 \x01(\t\x12\x0f\n\x07replace\x18\x02 \x01(\x08\x12\x1b\n\x0emax_batch_size\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10\x65xpected_version\x18\x04 \x01(\x03\x12\x14\n\x0crequire_live\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\tB\x11\n\x0f_max_batch_size\"\x93\x01\n\x14UpdatePolicyResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bpolicy_json\x18\x02 \x01(\t\x12\x16\n\x0e\x63hanged_fields\x18\x03 \x03(\t\x12\x13\n\x0blive_fields\x18\x04 \x03(\t\x12\x17\n\x0f\x64\x65\x66\x65rred_fields\x18\x05 \x03(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\"2\n\x0f\x43ompressRequest\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x15\n\x13RebuildIndexRequest\"/\n\rWarmupRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\r\n\x05top_k\x18\x02 \x01(\x05\":\n\x0e\x41\x63tionResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x17\n\x0f\x62locks_affected\x18\x02 \x01(\x03\x32\xb9\x03\n\rEngineControl\x12\x41\n\tGetStatus\x12\x1b.confkv.v1.GetStatusRequest\x1a\x17.confkv.v1.EngineStatus\x12G\n\x0bWatchStatus\x12\x1d.confkv.v1.WatchStatusRequest\x1a\x17.confkv.v1.EngineStatus0\x01\x12O\n\x0cUpdatePolicy\x12\x1e.confkv.v1.UpdatePolicyRequest\x1a\x1f.confkv.v1.UpdatePolicyResponse\x12\x41\n\x08\x43ompress\x12\x1a.confkv.v1.CompressRequest\x1a\x19.confkv.v1.ActionResponse\x12I\n\x0cRebuildIndex\x12\x1e.confkv.v1.RebuildIndexRequest\x1a\x19.confkv.v1.ActionResponse\x12=\n\x06Warmup\x12\x18.confkv.v1.WarmupRequest\x1a\x19.confkv.v1.ActionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63onfkv_api/v1/control.proto\x12\tconfkv.v1\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"e\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14\x65\x66\x66\x65\x63tive_used_bytes\x18\x04 \x01(\x03\"I\n\tHistogram\x12\x14\n\x0cupper_bounds\x18\x01 \x03(\x01\x12\x19\n\x11\x63umulative_counts\x18\x02 \x03(\x03\x12\x0b\n\x03sum\x18\x03 \x01(\x01\"\xe3\x07\n\x0c\x45ngineStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x15\n\rkv_bytes_used\x18\x08 \x01(\x03\x12\x16\n\x0ekv_bytes_total\x18\t \x01(\x03\x12\x19\n\x11kv_bytes_key_only\x18\n \x01(\x03\x12\x19\n\x11preemptions_total\x18\x0b \x01(\x03\x12\x11\n\toom_total\x18\x0c \x01(\x03\x12\x1b\n\x13prompt_tokens_total\x18\r \x01(\x03\x12\x1e\n\x16generated_tokens_total\x18\x0e \x01(\x03\x12\x15\n\rlatency_count\x18\x0f \x01(\x03\x12\x1b\n\x13latency_seconds_sum\x18\x10 \x01(\x01\x12\x1b\n\x13\x61vg_latency_seconds\x18\x11 \x01(\x01\x12\x1c\n\x14prefix_cache_enabled\x18\x12 \x01(\x08\x12\x1d\n\x15prefix_queried_tokens\x18\x13 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x14 \x01(\x03\x12.\n\rdevice_memory\x18\x15 \x01(\x0b\x32\x17.confkv.v1.DeviceMemory\x12\x16\n\x0epolicy_version\x18\x16 \x01(\x03\x12\x13\n\x0bpolicy_json\x18\x17 \x01(\t\x12\x1b\n\x13startup_policy_json\x18\x18 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x19 \x03(\t\x12\x31\n\x13time_to_first_token\x18\x1a \x01(\x0b\x32\x14.confkv.v1.Histogram\x12\x33\n\x15time_per_output_token\x18\x1b \x01(\x0b\x32\x14.confkv.v1.Histogram\x12-\n\x0frequest_latency\x18\x1c \x01(\x0b\x32\x14.confkv.v1.Histogram\x12$\n\x17prefix_hit_ratio_window\x18\x1d \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x14kv_bytes_reclaimable\x18\x1e \x01(\x03\x12\x12\n\neviction_k\x18\x1f \x01(\x05\x12\x14\n\x0c\x64isk_records\x18  \x01(\x03\x12\x12\n\ndisk_bytes\x18! \x01(\x03\x12\x1f\n\x17rebuild_records_skipped\x18\" \x01(\x03\x42\x1a\n\x18_prefix_hit_ratio_window\"\xab\x01\n\x13UpdatePolicyRequest\x12\x13\n\x0b\x63onfkv_json\x18\x01 \x01(\t\x12\x0f\n\x07replace\x18\x02 \x01(\x08\x12\x1b\n\x0emax_batch_size\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10\x65xpected_version\x18\x04 \x01(\x03\x12\x14\n\x0crequire_live\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\tB\x11\n\x0f_max_batch_size\"\x93\x01\n\x14UpdatePolicyResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bpolicy_json\x18\x02 \x01(\t\x12\x16\n\x0e\x63hanged_fields\x18\x03 \x03(\t\x12\x13\n\x0blive_fields\x18\x04 \x03(\t\x12\x17\n\x0f\x64\x65\x66\x65rred_fields\x18\x05 \x03(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\"2\n\x0f\x43ompressRequest\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x15\n\x13RebuildIndexRequest\"/\n\rWarmupRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\r\n\x05top_k\x18\x02 \x01(\x05\":\n\x0e\x41\x63tionResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x17\n\x0f\x62locks_affected\x18\x02 \x01(\x03\x32\xb9\x03\n\rEngineControl\x12\x41\n\tGetStatus\x12\x1b.confkv.v1.GetStatusRequest\x1a\x17.confkv.v1.EngineStatus\x12G\n\x0bWatchStatus\x12\x1d.confkv.v1.WatchStatusRequest\x1a\x17.confkv.v1.EngineStatus0\x01\x12O\n\x0cUpdatePolicy\x12\x1e.confkv.v1.UpdatePolicyRequest\x1a\x1f.confkv.v1.UpdatePolicyResponse\x12\x41\n\x08\x43ompress\x12\x1a.confkv.v1.CompressRequest\x1a\x19.confkv.v1.ActionResponse\x12I\n\x0cRebuildIndex\x12\x1e.confkv.v1.RebuildIndexRequest\x1a\x19.confkv.v1.ActionResponse\x12=\n\x06Warmup\x12\x18.confkv.v1.WarmupRequest\x1a\x19.confkv.v1.ActionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHSTATUSREQUEST']._serialized_start=62
   _globals['_WATCHSTATUSREQUEST']._serialized_end=108
   _globals['_DEVICEMEMORY']._serialized_start=110
-  _globals['_DEVICEMEMORY']._serialized_end=181
-  _globals['_HISTOGRAM']._serialized_start=183
-  _globals['_HISTOGRAM']._serialized_end=256
-  _globals['_ENGINESTATUS']._serialized_start=259
-  _globals['_ENGINESTATUS']._serialized_end=1063
-  _globals['_UPDATEPOLICYREQUEST']._serialized_start=1066
-  _globals['_UPDATEPOLICYREQUEST']._serialized_end=1237
-  _globals['_UPDATEPOLICYRESPONSE']._serialized_start=1240
-  _globals['_UPDATEPOLICYRESPONSE']._serialized_end=1387
-  _globals['_COMPRESSREQUEST']._serialized_start=1389
-  _globals['_COMPRESSREQUEST']._serialized_end=1439
-  _globals['_REBUILDINDEXREQUEST']._serialized_start=1441
-  _globals['_REBUILDINDEXREQUEST']._serialized_end=1462
-  _globals['_WARMUPREQUEST']._serialized_start=1464
-  _globals['_WARMUPREQUEST']._serialized_end=1511
-  _globals['_ACTIONRESPONSE']._serialized_start=1513
-  _globals['_ACTIONRESPONSE']._serialized_end=1571
-  _globals['_ENGINECONTROL']._serialized_start=1574
-  _globals['_ENGINECONTROL']._serialized_end=2015
+  _globals['_DEVICEMEMORY']._serialized_end=211
+  _globals['_HISTOGRAM']._serialized_start=213
+  _globals['_HISTOGRAM']._serialized_end=286
+  _globals['_ENGINESTATUS']._serialized_start=289
+  _globals['_ENGINESTATUS']._serialized_end=1284
+  _globals['_UPDATEPOLICYREQUEST']._serialized_start=1287
+  _globals['_UPDATEPOLICYREQUEST']._serialized_end=1458
+  _globals['_UPDATEPOLICYRESPONSE']._serialized_start=1461
+  _globals['_UPDATEPOLICYRESPONSE']._serialized_end=1608
+  _globals['_COMPRESSREQUEST']._serialized_start=1610
+  _globals['_COMPRESSREQUEST']._serialized_end=1660
+  _globals['_REBUILDINDEXREQUEST']._serialized_start=1662
+  _globals['_REBUILDINDEXREQUEST']._serialized_end=1683
+  _globals['_WARMUPREQUEST']._serialized_start=1685
+  _globals['_WARMUPREQUEST']._serialized_end=1732
+  _globals['_ACTIONRESPONSE']._serialized_start=1734
+  _globals['_ACTIONRESPONSE']._serialized_end=1792
+  _globals['_ENGINECONTROL']._serialized_start=1795
+  _globals['_ENGINECONTROL']._serialized_end=2236
 # @@protoc_insertion_point(module_scope)

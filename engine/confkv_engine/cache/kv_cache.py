@@ -81,6 +81,7 @@ class KVCache:
         self.hits = HitCounter()
         self._clock = 0  # one tick per prefix lookup that admits a request
         self.sink: EvictionSink | None = None  # where evicted prefix blocks go (the disk tier)
+        self.retired: list[int] = []  # taken out of use by a live lower size (never handed out)
         bs, h, d = spec.block_size, spec.num_kv_heads, spec.head_dim
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
@@ -106,8 +107,9 @@ class KVCache:
     # ---- capacity --------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        """Blocks sequences can hold (the pool less the null block)."""
-        return self.pool.num_blocks - 1
+        """Blocks sequences can hold: the pool less the null block and blocks retired by a lower
+        ``maxCacheSize``."""
+        return self.pool.num_blocks - 1 - len(self.retired)
 
     @property
     def num_free(self) -> int:
@@ -126,7 +128,34 @@ class KVCache:
 
     @property
     def used_bytes(self) -> int:
-        return (self.pool.num_used - 1) * self.spec.block_bytes
+        return (self.pool.num_used - 1 - len(self.retired)) * self.spec.block_bytes
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        """Pool bytes holding nothing a running request needs: free, evictable and retired blocks."""
+        return (self.num_free + len(self.retired)) * self.spec.block_bytes
+
+    def resize(self, num_blocks: int) -> int:
+        """Live size change to ``num_blocks`` usable blocks, within the pool allocated at start: lowering
+        evicts cached blocks first and retires free ones; raising gives retired blocks back. Raises
+        ValueError, changing nothing, when running requests hold more or the pool is smaller.
+        Returns the usable blocks now."""
+        physical = self.pool.num_blocks - 1
+        if num_blocks > physical:
+            allocated = physical * self.spec.block_bytes
+            raise ValueError(f"the pool was allocated with {physical} blocks ({allocated} bytes); "
+                             f"a larger maxCacheSize needs a restart")
+        held = self.num_blocks - self.num_free  # blocks running requests hold
+        if num_blocks < max(held, 2):
+            raise ValueError(f"running requests hold {held * self.spec.block_bytes} bytes "
+                             f"({held} blocks), more than the new size allows ({num_blocks} blocks)")
+        while self.num_blocks > num_blocks:
+            self.retired.extend(self._allocate(1))
+        if self.num_blocks < num_blocks:
+            give = num_blocks - self.num_blocks
+            back, self.retired = self.retired[:give], self.retired[give:]
+            self.pool.free(back)
+        return self.num_blocks
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free

@@ -6,15 +6,20 @@ tests can name the layout without the cache's machinery; ``kv_cache`` re-exports
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+log = logging.getLogger("confkv.cache")
+
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
-# On CPU a fraction ("80%") means that fraction of total RAM, but never more than half of the RAM
-# available when the engine starts: the model, activations and the OS need the rest.
+# On CPU the pool never takes more than half of the RAM available when the engine starts (a
+# fraction such as "80%" is of total RAM, then capped): the model, activations and the OS need
+# the rest. On CUDA it never takes more than 90% of the memory free after the model loaded.
 CPU_AVAILABLE_CAP = 0.5
+CUDA_FREE_CAP = 0.9
 
 
 @dataclass(frozen=True)
@@ -37,25 +42,37 @@ class CacheSpec:
 def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.device) -> int:
     """Byte budget of the pool from a parsed ``maxCacheSize`` (see ``confkv_api.config.parse_size``).
 
-    bytes: as given. Fraction: of free device memory on CUDA (measured now, after the model was
-    loaded); on CPU of total RAM, capped at half the available RAM. Unset: 90% of free memory on
-    CUDA, 1 GiB on CPU.
+    bytes: as given, but never more than the device can hold. Fraction: of free device memory on
+    CUDA (measured now, after the model was loaded); on CPU of total RAM. Unset: 90% of free memory
+    on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at 90% of free CUDA memory, or on
+    CPU at half the RAM available now (the model, activations and the OS need the rest): a size
+    the machine cannot hold is logged and capped rather than left to the OOM killer.
     """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
+        cap = int(CUDA_FREE_CAP * free)
         if max_cache_size is None:
-            return int(0.9 * free)
+            return cap
         kind, value = max_cache_size
-        return int(value) if kind == "bytes" else int(value * free)
+        wanted = value if kind == "bytes" else value * free
+        return _capped(wanted, cap, f"{CUDA_FREE_CAP:.0%} of the free CUDA memory")
     if max_cache_size is None:
         return DEFAULT_CPU_CACHE_BYTES
-    kind, value = max_cache_size
-    if kind == "bytes":
-        return int(value)
     import psutil
 
     mem = psutil.virtual_memory()
-    return int(min(value * mem.total, CPU_AVAILABLE_CAP * mem.available))
+    kind, value = max_cache_size
+    wanted = value if kind == "bytes" else value * mem.total
+    return _capped(wanted, int(CPU_AVAILABLE_CAP * mem.available),
+                   f"{CPU_AVAILABLE_CAP:.0%} of the available RAM")
+
+
+def _capped(wanted: float, cap: int, what: str) -> int:
+    if wanted > cap:
+        log.warning("maxCacheSize asks for %d bytes, more than this machine can hold; the KV pool is "
+                    "capped at %d bytes (%s)", int(wanted), cap, what)
+        return cap
+    return int(wanted)
 
 
 @dataclass

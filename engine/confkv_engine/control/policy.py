@@ -6,6 +6,12 @@ the engine's ``apply`` callback, and only then committed with version + 1. Any f
 document, version conflict, a field that cannot take effect live while ``require_live`` is set, an
 ``apply`` that raises) leaves the policy exactly as it was.
 
+Patches are validated strictly (pydantic strict mode): ``"k": true`` or ``"high": "0.95"`` is a
+refused update, never a silent coercion, since a remote caller's patch is not a hand-written file
+(the config-file loader stays lenient). A patch is parsed by ``parse_patch``: invalid JSON, NaN or
+Infinity literals, integers too long to convert, and nesting deeper than any policy document are
+all ``PolicyInvalid`` (gRPC INVALID_ARGUMENT), never an internal error.
+
 Which fields take effect live is the engine's to say (``live_fields``: dotted camelCase paths or
 prefixes). The others are still stored in the policy document (the file is the source of truth and
 a restarted engine reads it), and reported as deferred so nobody mistakes them for applied.
@@ -26,6 +32,14 @@ from confkv_api.config import ConfKVSection, EngineSection
 from confkv_api.merge import merge_patch
 
 log = logging.getLogger("confkv.policy")
+
+# The confkv section is three objects deep (confkv.compression.bits); a few levels of slack for a
+# mistaken but honest patch, and a clear refusal long before recursion could become the problem.
+MAX_PATCH_DEPTH = 8
+# No policy field needs more digits than this; longer integer literals are refused before Python
+# converts them (its own limit would answer with advice about sys.set_int_max_str_digits).
+MAX_INT_DIGITS = 40
+
 
 class PolicyError(Exception):
     """A refused change; nothing was modified."""
@@ -63,6 +77,45 @@ class PolicyChange:
     changed: list[str] = field(default_factory=list)
     live: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits is out of range")
+    return int(text)
+
+
+def _depth(doc: Any) -> int:
+    """Nesting depth of a parsed JSON document (iterative: any depth is measured safely)."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def parse_patch(text: str) -> dict[str, Any] | None:
+    """The ``confkv_json`` of an UpdatePolicy request: None when blank, else a JSON object no deeper
+    than ``MAX_PATCH_DEPTH``; anything else is ``PolicyInvalid`` naming the problem."""
+    if not text.strip():
+        return None
+    try:
+        patch = json.loads(text, parse_constant=_refuse_constant, parse_int=_parse_int)
+    except RecursionError:
+        raise PolicyInvalid(f"confkv_json is nested deeper than {MAX_PATCH_DEPTH} levels") from None
+    except ValueError as err:  # JSONDecodeError, NaN/Infinity, overlong integers
+        raise PolicyInvalid(f"confkv_json is not valid JSON: {err}") from None
+    if not isinstance(patch, dict):
+        raise PolicyInvalid("the confkv patch must be a JSON object")
+    if _depth(patch) > MAX_PATCH_DEPTH:
+        raise PolicyInvalid(f"confkv_json is nested deeper than {MAX_PATCH_DEPTH} levels")
+    return patch
 
 
 def flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
@@ -142,13 +195,14 @@ class PolicyStore:
                 raise PolicyInvalid("the confkv patch must be a JSON object")
             base = {} if replace else cur.confkv.model_dump(mode="json", by_alias=True)
             try:
-                confkv = ConfKVSection.model_validate(merge_patch(base, patch))
+                confkv = ConfKVSection.model_validate(merge_patch(base, patch), strict=True)
             except ValidationError as err:
                 raise PolicyInvalid(f"invalid policy: {_validation_message(err, 'confkv')}") from None
         batch = cur.max_batch_size
         if max_batch_size is not None:
             try:
-                batch = EngineSection.model_validate({"maxBatchSize": max_batch_size}).max_batch_size
+                batch = EngineSection.model_validate({"maxBatchSize": max_batch_size},
+                                                     strict=True).max_batch_size
             except ValidationError as err:
                 raise PolicyInvalid(f"invalid policy: {_validation_message(err, 'engine')}") from None
         return PolicySnapshot(cur.version, confkv, batch)

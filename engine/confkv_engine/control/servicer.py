@@ -18,6 +18,12 @@ What the engine can do today, and therefore what the RPCs do:
   into the prefix cache and answers once they are cached. Compress: the cache's quantized
   compression; FAILED_PRECONDITION when the engine cannot do what is asked. Nothing pretends.
 
+Threads: a sync gRPC server runs every RPC on a worker thread, and a WatchStatus stream holds its
+worker for as long as it is open. Streams are therefore bounded on their own (``MAX_WATCH_STREAMS``;
+the excess gets RESOURCE_EXHAUSTED at once) and the pool has ``UNARY_WORKERS`` more threads than
+that, so open streams never starve GetStatus or UpdatePolicy. A stream whose client goes away
+frees its worker at once (a termination callback wakes it), not after its interval.
+
 Server integration (``confkv_engine.server``): ``ControlPlane(config)``, ``start()`` at start-up,
 ``attach(target, ...)`` once the engine runs, ``stop()`` at shutdown. The servicer reaches the engine
 only through ``core.control_api.EngineControlTarget`` and its typed ``EngineStats`` snapshot.
@@ -25,7 +31,6 @@ only through ``core.control_api.EngineControlTarget`` and its typed ``EngineStat
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -51,13 +56,20 @@ from confkv_engine.control.policy import (
     PolicyNotLive,
     PolicySnapshot,
     PolicyStore,
+    parse_patch,
 )
-from confkv_engine.core.control_api import EngineControlTarget, EngineStats, PolicyRejected
+from confkv_engine.core.control_api import CapacityInUse, EngineControlTarget, EngineStats, PolicyRejected
 
 log = logging.getLogger("confkv.control")
 
 MAX_WARMUP_PROMPTS = 256
 DEFAULT_WARMUP_TOP_K = 8
+# Concurrent WatchStatus streams (the agent polls GetStatus; streams are for dashboards and tools).
+MAX_WATCH_STREAMS = 8
+# Worker threads beyond the streams' own, for the unary RPCs; and the RPCs admitted at once
+# (beyond it grpc answers RESOURCE_EXHAUSTED).
+UNARY_WORKERS = 8
+MAX_CONCURRENT_RPCS = 64
 MISSING = {
     "compress": "this engine has no KV block compression yet (capability 'compress' is missing): cold blocks "
                 "are never quantized, so there is nothing to compress; nothing was changed",
@@ -103,6 +115,8 @@ class EngineBinding:
         """The one place a policy reaches the engine; called by the PolicyStore under its lock."""
         try:
             self.target.apply_policy(snapshot.confkv, snapshot.max_batch_size, live)
+        except CapacityInUse as err:  # valid, but not now: FAILED_PRECONDITION
+            raise PolicyNotLive(str(err)) from None
         except PolicyRejected as err:
             raise PolicyInvalid(str(err)) from None
 
@@ -133,8 +147,9 @@ class ControlPlane:
             return
         try:
             path = unix_socket.prepare(self.address)
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="confkv-grpc"),
-                                 maximum_concurrent_rpcs=32)
+            workers = futures.ThreadPoolExecutor(max_workers=MAX_WATCH_STREAMS + UNARY_WORKERS,
+                                                 thread_name_prefix="confkv-grpc")
+            server = grpc.server(workers, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
             pb_grpc.add_EngineControlServicer_to_server(ControlServicer(self), server)
             with unix_socket.owner_only_umask():
                 bound = server.add_insecure_port(f"unix://{path}")
@@ -196,12 +211,31 @@ class ControlPlane:
             avg_latency_seconds=total / count if count else 0.0,
             prefix_cache_enabled=s.prefix_cache_enabled,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
-            device_memory=pb.DeviceMemory(device=label, used_bytes=int(used), total_bytes=int(capacity)),
+            device_memory=pb.DeviceMemory(device=label, used_bytes=int(used), total_bytes=int(capacity),
+                                          effective_used_bytes=max(0, int(used) - s.kv_bytes_reclaimable)),
+            kv_bytes_reclaimable=s.kv_bytes_reclaimable, eviction_k=s.eviction_k,
+            prefix_hit_ratio_window=s.prefix_hit_ratio_window,
+            disk_records=s.disk_records, disk_bytes=s.disk_bytes,
+            rebuild_records_skipped=s.rebuild_records_skipped,
             policy_version=policy.version, policy_json=policy.to_json(),
             startup_policy_json=store.startup.to_json(), capabilities=binding.capabilities(),
             time_to_first_token=histogram_message(binding.registry, names.TIME_TO_FIRST_TOKEN_SECONDS),
             time_per_output_token=histogram_message(binding.registry, names.TIME_PER_OUTPUT_TOKEN_SECONDS),
             request_latency=histogram_message(binding.registry, names.REQUEST_LATENCY_SECONDS))
+
+
+def _once(action: Callable[[], object]) -> Callable[[], None]:
+    """``action`` made idempotent and thread-safe (a stream's slot is released by whichever of its
+    termination callback and its own ``finally`` comes first)."""
+    lock, done = threading.Lock(), [False]
+
+    def run() -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+        action()
+    return run
 
 
 _POLICY_CODES = {PolicyInvalid: grpc.StatusCode.INVALID_ARGUMENT,
@@ -212,6 +246,7 @@ _POLICY_CODES = {PolicyInvalid: grpc.StatusCode.INVALID_ARGUMENT,
 class ControlServicer(pb_grpc.EngineControlServicer):
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
+        self._watch_slots = threading.BoundedSemaphore(MAX_WATCH_STREAMS)
 
     def _require(self, context: grpc.ServicerContext) -> tuple[EngineBinding, PolicyStore]:
         bound = self.plane.bound()
@@ -226,22 +261,29 @@ class ControlServicer(pb_grpc.EngineControlServicer):
     def WatchStatus(self, request: pb.WatchStatusRequest,
                     context: grpc.ServicerContext) -> Iterator[pb.EngineStatus]:
         self._require(context)
+        if not self._watch_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{MAX_WATCH_STREAMS} WatchStatus streams are already open; close one, or poll "
+                          f"GetStatus")
+        ended = threading.Event()
+        release = _once(self._watch_slots.release)
+        context.add_callback(ended.set)  # client gone or server stopping: wake the wait below
+        context.add_callback(release)
         interval = min(max(request.interval_seconds or 1.0, 0.1), 3600.0)
-        while context.is_active() and not self.plane.stopping.is_set():
-            yield self.plane.status()
-            self.plane.stopping.wait(interval)
+        try:
+            while context.is_active() and not self.plane.stopping.is_set():
+                yield self.plane.status()
+                ended.wait(interval)
+        finally:
+            release()
 
     def UpdatePolicy(self, request: pb.UpdatePolicyRequest,
                      context: grpc.ServicerContext) -> pb.UpdatePolicyResponse:
         _, store = self._require(context)
         reason = request.reason or "unspecified"
-        try:
-            patch = json.loads(request.confkv_json) if request.confkv_json.strip() else None
-        except json.JSONDecodeError as err:
-            log.warning("policy update refused (%s): confkv_json is not JSON: %s", reason, err)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confkv_json is not valid JSON: {err}")
         batch = request.max_batch_size if request.HasField("max_batch_size") else None
         try:
+            patch = parse_patch(request.confkv_json)
             change = store.update(patch, replace=request.replace, max_batch_size=batch,
                                   expected_version=request.expected_version,
                                   require_live=request.require_live, reason=reason)

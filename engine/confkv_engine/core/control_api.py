@@ -16,6 +16,8 @@ from confkv_api.config import ConfKVSection
 BATCH_FIELD = "engine.maxBatchSize"
 #: LRU-K's K (and LRU vs LRU-K) of the prefix cache: live, cached blocks and their history stay.
 EVICTION_FIELD = "confkv.eviction"
+#: The KV pool's size: lowering evicts cached blocks first; raising is bounded by the start-up pool.
+SIZE_FIELD = "confkv.maxCacheSize"
 #: Fields the retention manager reads when a request is admitted: live (running requests keep theirs).
 RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.sinks", "confkv.window",
                     "confkv.budget", "confkv.budgetTokens", "confkv.budgetMode")
@@ -44,6 +46,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of those, served from the prefix cache (cumulative)
     prefix_hit_ratio_window: float | None = None  # hit / queried over the last 5 minutes; None: no lookups
     kv_bytes_evictable: int = 0  # cached blocks nobody references: reclaimable at once
+    kv_bytes_reclaimable: int = 0  # free + evictable + retired pool bytes (the VRAM signal subtracts them)
     eviction_k: int = 0  # the prefix cache's live LRU-K K (1 = LRU)
     disk_records: int = 0  # blocks the disk tier holds
     disk_bytes: int = 0
@@ -56,6 +59,10 @@ class EngineStats:
 
 class PolicyRejected(ValueError):
     """A policy the engine cannot apply (the message says why); nothing was changed."""
+
+
+class CapacityInUse(PolicyRejected):
+    """A smaller cache than running requests hold (or a larger one than was allocated); nothing changed."""
 
 
 class EngineControlTarget(Protocol):

@@ -38,6 +38,8 @@ from confkv_engine.core.control_api import (
     COMPRESSION_FIELD,
     EVICTION_FIELD,
     RETENTION_FIELDS,
+    SIZE_FIELD,
+    CapacityInUse,
     EngineStats,
     PolicyRejected,
 )
@@ -228,11 +230,20 @@ class LLMEngine:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         params = [s.params for s in samplers]
-        masked = sampling.apply_min_tokens_mask(
-            logits.clone(), params, [len(s.output_token_ids) for s in samplers], self.eos_token_ids)
+        for s in samplers:  # the grammar is compiled on the sequence's first sampling step
+            if s.params.structured is not None and s.grammar is None:
+                s.grammar = sampling.GrammarState(s.params.structured, self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids)
+        masked = sampling.processed_logits(
+            logits, params, [s.prompt_token_ids for s in samplers], [s.output_token_ids for s in samplers],
+            self.eos_token_ids, [s.grammar for s in samplers])
         chosen = sampling.sample(masked, params, [s.generator for s in samplers])
-        lps = sampling.token_logprobs(logits, chosen, [p.logprobs for p in params])
-        return {s: (t, lp) for s, t, lp in zip(samplers, chosen.tolist(), lps, strict=True)}
+        lps = sampling.token_logprobs(logits, chosen, [p.logprobs for p in params])  # raw: unprocessed
+        tokens = chosen.tolist()
+        for s, t in zip(samplers, tokens, strict=True):
+            if s.grammar is not None:
+                s.grammar.accept(t)
+        return {s: (t, lp) for s, t, lp in zip(samplers, tokens, lps, strict=True)}
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Entries for the prompt tokens this chunk's rows predict (row r scores token start+r+1)."""
@@ -325,7 +336,7 @@ class LLMEngine:
             finished=seq.finished, finish_reason=seq.finish_reason, error=seq.error,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
-            kv_usage=self.retention.usage(seq))
+            num_cached_tokens=seq.prefix_len, kv_usage=self.retention.usage(seq))
 
     # ---- control (``core.control_api.EngineControlTarget``) ---------------------------------
     @property
@@ -341,11 +352,19 @@ class LLMEngine:
             self.scheduler.max_batch_size = n
 
     def live_fields(self) -> list[str]:
-        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD, COMPRESSION_FIELD]
+        return [BATCH_FIELD, *RETENTION_FIELDS, EVICTION_FIELD, SIZE_FIELD, COMPRESSION_FIELD]
 
     def capabilities(self) -> list[str]:
         caps = ["compress"] + (["prefix-cache", "warmup"] if self.cache.prefix is not None else [])
         return caps + (["rebuild-index"] if self.disk is not None else [])
+
+    def _resize(self, max_cache_size: str | None) -> None:
+        size = parse_size(max_cache_size) if max_cache_size else None
+        blocks = resolve_cache_bytes(size, self.device) // self.cache.spec.block_bytes - 1  # less the null
+        try:
+            self.cache.resize(blocks)
+        except ValueError as err:
+            raise CapacityInUse(f"maxCacheSize {max_cache_size!r} refused: {err}") from None
 
     def rebuild_index(self) -> str:
         """Rebuild the disk tier's index from its record files (torn or corrupt ones are skipped)."""
@@ -384,6 +403,8 @@ class LLMEngine:
         if max_batch_size < 1:
             raise PolicyRejected(f"invalid policy: maxBatchSize must be >= 1, got {max_batch_size}")
         with self._lock:  # the engine steps under this lock: the change lands between two steps
+            if SIZE_FIELD in changed:  # first: it is the one change that can still be refused here
+                self._resize(confkv.max_cache_size)
             if BATCH_FIELD in changed:
                 self.scheduler.max_batch_size = max_batch_size
             if retention is not None:
@@ -427,6 +448,7 @@ class LLMEngine:
                 prefix_queried_tokens=self.cache.hits.queried, prefix_hit_tokens=self.cache.hits.hit,
                 prefix_hit_ratio_window=self.cache.hits.window_ratio(),
                 kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
+                kv_bytes_reclaimable=self.cache.reclaimable_bytes,
                 eviction_k=self.cache.eviction.k, **self._disk_stats(),
                 kv_blocks_compressed=len(self.cache.store),
                 kv_bytes_compressed=self.cache.store.stored_bytes)

@@ -43,4 +43,5 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     kv_usage: KVUsage = field(default_factory=KVUsage)

@@ -11,12 +11,14 @@ The text side (incremental detokenization, stop strings, finish reasons) is in `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from confkv_engine.core.outputs import TokenLogprob
+from confkv_engine.core.penalties import apply_logit_bias, apply_penalties
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.core.stopping import (
     IncrementalDetokenizer,
@@ -25,8 +27,10 @@ from confkv_engine.core.stopping import (
     find_stop,
     partial_stop_len,
 )
+from confkv_engine.core.structured_output import GrammarState, apply_grammar_masks
 
 __all__ = [
+    "GrammarState",
     "IncrementalDetokenizer",
     "OutputTracker",
     "StopChecker",
@@ -36,6 +40,7 @@ __all__ = [
     "logprobs_for",
     "make_generator",
     "partial_stop_len",
+    "processed_logits",
     "prompt_logprobs",
     "sample",
     "token_logprobs",
@@ -59,9 +64,9 @@ def sample(
 ) -> Tensor:
     """logits [B, V] fp32 -> chosen token ids [B] (int64, on logits.device).
 
-    Greedy rows (temperature 0) take the argmax; the others are tempered, filtered by top-k then
-    top-p (renormalised after top-k, as in Hugging Face and vLLM; at least one token survives), and
-    drawn with the row's generator. ``logits`` is not modified.
+    Greedy rows (temperature 0) take the argmax; the others are tempered, filtered by min_p, top-k
+    then top-p (renormalised after each filter, as in vLLM; at least one token survives), and drawn
+    with the row's generator. ``logits`` (already biased / penalised / masked) is not modified.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"sample: logits {tuple(logits.shape)} vs {len(params)} params, "
@@ -103,8 +108,17 @@ def _sample_rows(
 
 
 def _tempered(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Tempered logits [N, V], with ``min_p`` applied: a token survives when its tempered
+    probability is at least min_p times the best one's, i.e. its tempered logit is within
+    log(min_p) of the maximum (a threshold that needs no normalisation and no sort)."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
-    return logits / temps[:, None]  # [N, V]
+    scaled = logits / temps[:, None]  # [N, V]
+    if any(p.min_p > 0 for p in params):
+        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params],
+                                 device=logits.device, dtype=logits.dtype)
+        floor = scaled.max(dim=-1, keepdim=True).values + log_min_p[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    return scaled
 
 
 def _sample_unfiltered(
@@ -196,6 +210,26 @@ def apply_min_tokens_mask(
         dev = logits.device
         logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
     return logits
+
+
+def processed_logits(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    eos_token_ids: Sequence[int],
+    grammars: Sequence[GrammarState | None] = (),
+) -> Tensor:
+    """The logits a step's tokens are chosen from: a copy of the raw ``logits`` [B, V] with, in
+    vLLM's order, the min_tokens ban, ``logit_bias``, the repetition / frequency / presence
+    penalties and the structured-output masks applied. Logprobs are taken from the raw logits."""
+    out = logits.clone()
+    apply_min_tokens_mask(out, params, [len(ids) for ids in output_ids], eos_token_ids)
+    apply_logit_bias(out, params)
+    apply_penalties(out, params, prompt_ids, output_ids)
+    if any(g is not None for g in grammars):
+        apply_grammar_masks(out, grammars)
+    return out
 
 
 def logprobs_for(logits: Tensor, targets: Tensor, top_n: Sequence[int | None]) -> list[TokenLogprob | None]:

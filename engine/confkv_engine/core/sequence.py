@@ -11,6 +11,7 @@ from confkv_engine.cache.kv_cache import SeqKV
 from confkv_engine.core.outputs import FinishReason, TokenLogprob
 from confkv_engine.core.sampling import OutputTracker
 from confkv_engine.core.sampling_params import SamplingParams
+from confkv_engine.core.structured_output import GrammarState
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import RetentionState
 
@@ -56,6 +57,7 @@ class Sequence:
     policy_state: RetentionState | None = None  # owned by the retention manager (scores, means...)
     admitted: bool = False  # admitted at least once (a replay after preemption keeps its first prefix)
     prefix_len: int = 0  # prompt tokens served by the prefix cache at first admission
+    grammar: GrammarState | None = None  # structured output: made on first sampling
 
     @property
     def prompt_len(self) -> int:

@@ -3,11 +3,19 @@
 The app knows the server only through ``ServedState`` (what the routes read, and the start-up /
 shutdown hooks its lifespan calls); the composition root ``confkv_engine.server`` implements it,
 loading the model and wiring the control plane, so this room never imports ``control``.
+
+Every error a client can cause is a 4xx in OpenAI's error body, whatever raised it: FastAPI's own
+body-parse failures (not UTF-8, nested too deep for the JSON parser, an integer too long to
+convert), unknown routes and methods, and the body limit (``limits``). Error bodies are ASCII JSON,
+so quoting a client's invalid text back (a model name with a lone surrogate) cannot fail. The
+OpenAPI document lists the codes the routes really answer: 400 for validation (never FastAPI's
+default 422), 401, 404, 413, 429 and 503.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -15,14 +23,26 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.async_engine import EngineUnavailable, QueueFull
 from confkv_engine.core.sampling_params import InvalidRequest
+from confkv_engine.http import tokenization
+from confkv_engine.http.limits import RequestBodyLimit
 from confkv_engine.http.metrics import EngineMetrics
-from confkv_engine.http.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from confkv_engine.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    error_body,
+)
 from confkv_engine.http.serving import GenerationFailed, OpenAIServing
 
 log = logging.getLogger("confkv.server")
@@ -49,9 +69,47 @@ class APIError(Exception):
         self.status, self.type, self.param, self.code = status, type_, param, code
 
 
+class _ErrorJSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def _error(status: int, message: str, type_: str, param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return _ErrorJSON(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def _unparsable_body(cause: BaseException) -> str:
+    """Why FastAPI's JSON parser gave up on a body (it raises a bare 400 from the cause)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "The request body is not valid UTF-8, so it is not JSON."
+    if isinstance(cause, RecursionError):
+        return "The JSON body is nested too deeply to parse."
+    if "integer string conversion" in str(cause):  # CPython's digit limit (4300 digits)
+        return "The JSON body holds an integer literal too long to parse."
+    return "We could not parse the JSON body of your request."
+
+
+_WHEN = {
+    400: "Invalid request: malformed JSON, a bad or unsupported value, an unknown field, or a "
+         "prompt over the context (OpenAI error body; `code` says which)",
+    401: "engine.apiKey is set and the bearer token is missing or wrong",
+    404: "Unknown model",
+    413: "The request body is larger than engine.maxRequestBytes",
+    429: "The waiting queue (engine.maxWaiting) is full",
+    500: "The engine failed the request",
+    503: "The model is still loading, or the server is shutting down",
+}
+
+
+def _documented(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorResponse, "description": _WHEN[code]} for code in codes}
+
+
+# With ``stream: true`` the 200 is server-sent events.
+_STREAMABLE: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The completion, or with stream=true its server-sent events",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def _auth_dependency(api_key: str | None) -> Callable[[Request], None]:
@@ -67,6 +125,20 @@ def _auth_dependency(api_key: str | None) -> Callable[[Request], None]:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, err: HTTPException) -> JSONResponse:
+        if err.status_code == 400 and err.__cause__ is not None:  # FastAPI could not parse the body
+            return _error(400, _unparsable_body(err.__cause__), "invalid_request_error", code="invalid_json")
+        type_ = "invalid_request_error" if err.status_code < 500 else "server_error"
+        return _error(err.status_code, f"{err.detail} ({request.method} {request.url.path})", type_,
+                      headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        # Starlette re-raises after this answer, so the traceback is still logged.
+        return _error(500, "The server had an error while processing your request.", "server_error",
+                      code="internal_error")
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         return _error(err.status, str(err), err.type, err.param, err.code)
@@ -104,31 +176,54 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _openai_router(state: ServedState) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(state.config.engine.api_key))])
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(state.config.engine.api_key))],
+                       responses=_documented(400, 401, 404, 413, 429, 500, 503))
 
-    @router.post("/completions")
+    @router.post("/completions", responses=_STREAMABLE)
     async def completions(req: CompletionRequest, request: Request) -> Any:
         return await state.require_serving(req.model).completions(req, request)
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", responses=_STREAMABLE)
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         return await state.require_serving(req.model).chat(req, request)
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
         serving = state.require_serving(None)
-        return {"object": "list", "data": [_model_card(state, serving)]}
+        cards = [_model_card(state, serving, name) for name in serving.served_names]
+        return {"object": "list", "data": cards}
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        return _model_card(state, state.require_serving(model_id))
+        return _model_card(state, state.require_serving(model_id), model_id)
 
     return router
 
 
-def _model_card(state: ServedState, serving: OpenAIServing) -> dict[str, Any]:
-    return {"id": serving.model_name, "object": "model", "created": state.created, "owned_by": "confkv",
-            "max_model_len": serving.max_model_len}
+def _tokenizer_router(state: ServedState) -> APIRouter:
+    """vLLM's tokenizer endpoints (outside /v1, as vLLM serves them; behind the same API key)."""
+    router = APIRouter(dependencies=[Depends(_auth_dependency(state.config.engine.api_key))],
+                       responses=_documented(400, 401, 404, 413, 500, 503))
+
+    @router.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        return tokenization.tokenize(state.require_serving(req.model), req)
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return tokenization.detokenize(state.require_serving(req.model), req)
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenization.tokenizer_info(state.require_serving(None))
+
+    return router
+
+
+def _model_card(state: ServedState, serving: OpenAIServing, name: str) -> dict[str, Any]:
+    """One model card per served name, as vLLM lists its --served-model-name aliases."""
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "confkv",
+            "root": state.config.model.source, "parent": None, "max_model_len": serving.max_model_len}
 
 
 def create_app(state: ServedState) -> FastAPI:
@@ -140,20 +235,37 @@ def create_app(state: ServedState) -> FastAPI:
 
     app = FastAPI(title="CONF-KV engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
+    app.add_middleware(RequestBodyLimit, max_bytes=state.config.engine.max_request_bytes)
     app.include_router(_openai_router(state))
+    app.include_router(_tokenizer_router(state))
+    app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
+    probe_down = {503: {"description": _WHEN[503]}}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "The engine thread has stopped"}})
     async def health() -> Response:
         healthy = state.healthy()
         return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
 
-    @app.get("/ready")
+    @app.get("/ready", responses=probe_down)
     async def ready() -> Response:
         ok, status = state.readiness()
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # documented as text, as it is
     async def metrics() -> Response:
         return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without its default 422: validation errors here are 400s."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in doc.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = doc
+    return app.openapi_schema

@@ -46,7 +46,7 @@ class _SnapshotCollector(Collector):
         s = self._stats()
         yield from self._cache(s)
         yield from self._scheduler(s)
-        yield from self._device_memory()
+        yield from self._device_memory(s)
 
     def _cache(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         total_blocks = s.num_total_blocks
@@ -59,14 +59,17 @@ class _SnapshotCollector(Collector):
         full = s.kv_bytes_full
         tiers = GaugeMetricFamily(names.KV_CACHE_BYTES, "KV cache bytes by tier.", labels=["tier"])
         for tier, value in (("full", full), ("key_only", key_only), ("free", max(0, total - used)),
+                            ("evictable", s.kv_bytes_evictable), ("reclaimable", s.kv_bytes_reclaimable),
                             ("total", total)):
             tiers.add_metric([tier], value)
         yield tiers
         yield GaugeMetricFamily(names.KV_CACHE_CAPACITY_BYTES, "Bytes of the whole KV pool.", value=total)
         queried = s.prefix_queried_tokens
         hits = s.prefix_hit_tokens
-        yield GaugeMetricFamily(names.PREFIX_CACHE_HIT_RATIO, "Prefix-cache hit tokens / queried tokens.",
-                                value=hits / queried if queried else 0.0)
+        ratio = s.prefix_hit_ratio_window
+        yield GaugeMetricFamily(names.PREFIX_CACHE_HIT_RATIO,
+                                "Prefix-cache hit / queried tokens over the last 5 minutes (NaN: none).",
+                                value=float("nan") if ratio is None else ratio)
         yield CounterMetricFamily(_suffixless(names.PREFIX_CACHE_QUERIED_TOKENS),
                                   "Prompt tokens looked up in the prefix cache.", value=queried)
         yield CounterMetricFamily(_suffixless(names.PREFIX_CACHE_HIT_TOKENS),
@@ -82,8 +85,13 @@ class _SnapshotCollector(Collector):
         yield CounterMetricFamily(_suffixless(names.OOM_ERRORS), "Device out-of-memory errors caught.",
                                   value=s.num_oom)
 
-    def _device_memory(self) -> Iterator[GaugeMetricFamily]:
+    def _device_memory(self, s: EngineStats) -> Iterator[GaugeMetricFamily]:
         label, used, total = device_memory(self._device)
+        effective = GaugeMetricFamily(names.DEVICE_MEMORY_EFFECTIVE_USED_BYTES,
+                                      "Device memory used less the KV pool's reclaimable bytes.",
+                                      labels=["device"])
+        effective.add_metric([label], max(0, used - s.kv_bytes_reclaimable))
+        yield effective
         used_m = GaugeMetricFamily(names.DEVICE_MEMORY_USED_BYTES,
                                    "GPU memory in use (cuda) or this process's RSS (cpu).", labels=["device"])
         used_m.add_metric([label], used)

@@ -21,18 +21,25 @@ def sse(data: dict[str, Any] | str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    """OpenAI usage plus the CONF-KV fields: peak pool bytes and tokens per retention tier."""
-    prompt, completion = len(out.prompt_token_ids), len(out.output_token_ids)
-    kv = out.kv_usage
+def usage(outs: RequestOutput | Sequence[RequestOutput]) -> dict[str, Any]:
+    """OpenAI usage plus the CONF-KV fields: peak pool bytes and tokens per retention tier.
+
+    With several choices (``n``, ``best_of``) the prompt is counted once, completion tokens and the
+    KV fields are summed over the choices, and ``prompt_tokens_details.cached_tokens`` is the
+    first choice's (the prompt is the same for all).
+    """
+    outs = [outs] if isinstance(outs, RequestOutput) else list(outs)
+    prompt = len(outs[0].prompt_token_ids)
+    completion = sum(len(o.output_token_ids) for o in outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "peak_kv_bytes": kv.peak_kv_bytes,
-        "kv_tokens_full": kv.tokens_full,
-        "kv_tokens_key_only": kv.tokens_key_only,
-        "kv_tokens_discarded": kv.tokens_discarded,
+        "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens},
+        "peak_kv_bytes": sum(o.kv_usage.peak_kv_bytes for o in outs),
+        "kv_tokens_full": sum(o.kv_usage.tokens_full for o in outs),
+        "kv_tokens_key_only": sum(o.kv_usage.tokens_key_only for o in outs),
+        "kv_tokens_discarded": sum(o.kv_usage.tokens_discarded for o in outs),
     }
 
 
@@ -97,42 +104,49 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob], tok
     return {"content": content}
 
 
-def completion_body(request_id: str, model: str, text: str, out: RequestOutput,
-                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def completion_choice(index: int, text: str, out: RequestOutput,
+                      logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(out)}
+
+
+def completion_body(request_id: str, model: str, choices: list[dict[str, Any]],
+                    outs: Sequence[RequestOutput]) -> dict[str, Any]:
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(out)}],
-        "usage": usage(out),
+        "choices": choices, "usage": usage(outs),
     }
 
 
 def completion_chunk(request_id: str, model: str, text: str, logprobs: dict[str, Any] | None,
-                     reason: str | None) -> dict[str, Any]:
+                     reason: str | None, index: int = 0) -> dict[str, Any]:
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}],
     }
 
 
-def chat_body(request_id: str, model: str, out: RequestOutput,
-              logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def chat_choice(index: int, out: RequestOutput, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": out.text},
+            "logprobs": logprobs, "finish_reason": finish_reason(out)}
+
+
+def chat_body(request_id: str, model: str, choices: list[dict[str, Any]],
+              outs: Sequence[RequestOutput]) -> dict[str, Any]:
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                     "logprobs": logprobs, "finish_reason": finish_reason(out)}],
-        "usage": usage(out),
+        "choices": choices, "usage": usage(outs),
     }
 
 
 def chat_chunk(request_id: str, model: str, delta: dict[str, Any], logprobs: dict[str, Any] | None,
-               reason: str | None) -> dict[str, Any]:
+               reason: str | None, index: int = 0) -> dict[str, Any]:
     return {
         "id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
     }
 
 
-def usage_chunk(request_id: str, model: str, obj: str, out: RequestOutput) -> dict[str, Any]:
+def usage_chunk(request_id: str, model: str, obj: str, outs: Sequence[RequestOutput]) -> dict[str, Any]:
     """The final chunk of ``stream_options.include_usage``: no choices, only usage."""
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [], "usage": usage(out)}
+            "choices": [], "usage": usage(outs)}

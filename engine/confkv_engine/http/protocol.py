@@ -3,10 +3,15 @@
 Unknown request fields are rejected with a 400 naming the field, as OpenAI's own API does
 ("Unrecognized request argument"), so a typo such as ``top_K`` never silently changes nothing.
 Fields OpenAI defines that this server cannot honour are accepted only at their no-op values
-(``n`` = 1, ``best_of`` = 1, penalties 0, no ``logit_bias``/``suffix``/tools) and are a 400
-otherwise. Engine-specific sampling controls (``top_k``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``kv_policy``, ``kv_budget``) are accepted as extra body fields, the way the
-``openai`` client's ``extra_body`` sends them.
+(no ``suffix``/tools) and are a 400 otherwise. Engine-specific sampling controls (``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``kv_policy``, ``kv_budget``) are accepted as extra body fields, the way the ``openai`` client's
+``extra_body`` sends them (vLLM's names). ``response_format`` is accepted on both endpoints, as vLLM
+does. The ``/tokenize`` and ``/detokenize`` bodies are vLLM's.
+
+Text that cannot be tokenized is refused here, not deep in the tokenizer: a prompt or message with
+a lone surrogate (``"\ud800"``, which JSON can carry but Unicode text cannot) is a 400 naming the
+field. ``seed`` is a signed 64-bit integer, as in OpenAI's API and as torch's generators take it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from confkv_engine.core.sampling_params import InvalidRequest
 
 MAX_STOP_STRINGS = 16
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def check_unicode(text: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (only ever non-ASCII) is a ValueError."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"contains a lone surrogate (U+{ord(text[err.start]):04X} at character "
+                             f"{err.start}); text must be valid Unicode") from None
+    return text
+
+
+MAX_CHOICES = 64  # n / best_of: each choice is a sequence in the batch
 
 
 class ErrorInfo(BaseModel):
@@ -49,7 +69,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -57,9 +77,12 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    response_format: dict[str, Any] | None = None
     # Engine extras (``extra_body`` in the openai client).
     top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -88,18 +111,23 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse OpenAI parameters this server accepts only at their no-op values."""
-        if self.n != 1:
-            raise InvalidRequest("n > 1 is not supported; send separate requests", param="n",
-                                 code="unsupported_parameter")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias",
-                                 code="unsupported_parameter")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise InvalidRequest(f"{name} is not supported (must be 0)", param=name,
-                                     code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")
+
+    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; keys must be token ids of the vocabulary."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}",
+                                     param="logit_bias") from None
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequest(f"logit_bias token id {token_id} is outside the vocabulary "
+                                     f"[0, {vocab_size})", param="logit_bias")
+            pairs.append((token_id, bias))
+        return tuple(sorted(pairs))
 
     @property
     def include_usage(self) -> bool:
@@ -112,14 +140,24 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    @field_validator("prompt")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        for text in [value] if isinstance(value, str) else value:
+            if isinstance(text, str):
+                check_unicode(text)
+        return value
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1):
-            raise InvalidRequest("best_of > 1 is not supported", param="best_of",
-                                 code="unsupported_parameter")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise InvalidRequest("best_of > n cannot be streamed (the best choices are known only at "
+                                 "the end)", param="best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
 
@@ -143,6 +181,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        for part in [value] if isinstance(value, str) else value or ():
+            text = part if isinstance(part, str) else part.get("text")
+            if isinstance(text, str):
+                check_unicode(text)
+        return value
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -168,7 +215,6 @@ class ChatCompletionRequest(_Request):
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -188,10 +234,36 @@ class ChatCompletionRequest(_Request):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise InvalidRequest(f"{name} is not supported", param=name, code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("only response_format type 'text' is supported", param="response_format",
-                                 code="unsupported_parameter")
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` for a completion prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` for a conversation (rendered with the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

@@ -1,24 +1,36 @@
 """The two generation endpoints: request -> prompt ids + SamplingParams -> engine -> OpenAI body.
 
-The FastAPI routes in ``server.py`` only parse and dispatch; everything that knows the OpenAI
-formats and the engine's contract lives here.
+The FastAPI routes in ``app.py`` only parse and dispatch; everything that knows the OpenAI
+formats and the engine's contract lives here. Several choices (``n``, ``best_of``) are run as
+child requests (``choices``); a ``response_format`` schema is compiled before the request is
+submitted, so a schema the grammar library cannot use is a 400, not a failed generation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
-from confkv_engine.core.async_engine import AsyncEngine
+from confkv_engine.core import structured_output
+from confkv_engine.core.async_engine import AsyncEngine, RequestStream
 from confkv_engine.core.outputs import RequestOutput
-from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams, StructuredOutput
+from confkv_engine.http import choices
 from confkv_engine.http import openai_format as fmt
-from confkv_engine.http.protocol import ChatCompletionRequest, CompletionRequest, _Request, error_body
+from confkv_engine.http.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _Request,
+    error_body,
+)
 
 
 class Tokenizer(Protocol):
@@ -29,16 +41,21 @@ class Tokenizer(Protocol):
                             add_generation_prompt: bool = True) -> str: ...
 
 
+ChunkRenderer = Callable[[int, RequestOutput], list[dict[str, Any]]]  # (choice, output) -> chunks
+
+
 class GenerationFailed(Exception):
     """The engine finished a request with an error (reported as a 500)."""
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, aliases: Sequence[str] = ()) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # Every name clients may send (vLLM's --served-model-name list); responses use the first.
+        self.served_names: tuple[str, ...] = tuple(dict.fromkeys([model_name, *aliases]))
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
@@ -56,26 +73,40 @@ class OpenAIServing:
                 param=param, code="context_length_exceeded")
 
     def _params(self, req: _Request, max_tokens: int, logprobs: int | None,
-                prompt_logprobs: int | None) -> SamplingParams:
+                prompt_logprobs: int | None, structured: StructuredOutput | None) -> SamplingParams:
         return SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=tuple(req.stop or ()),
             stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, kv_policy=req.kv_policy, kv_budget=req.kv_budget)
+            prompt_logprobs=prompt_logprobs, kv_policy=req.kv_policy, kv_budget=req.kv_budget,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, min_p=req.min_p,
+            logit_bias=req.logit_bias_pairs(self.vocab_size), structured=structured)
 
-    async def _collect(self, outputs: AsyncIterator[RequestOutput], http: Request) -> RequestOutput:
-        """Run a request to the end; a client that hangs up aborts it (its blocks are freed)."""
-        final: RequestOutput | None = None
+    async def _structured(self, req: _Request) -> StructuredOutput | None:
+        """The request's grammar, compiled once here (off the event loop: the first one also builds
+        the library's view of the vocabulary) so an unusable schema is a 400 naming the problem."""
+        spec = structured_output.spec_from_response_format(req.response_format)
+        if spec is not None:
+            eos = tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            await asyncio.to_thread(structured_output.check, spec, self.tokenizer, self.vocab_size, eos)
+        return spec
+
+    async def _collect(self, streams: Sequence[RequestStream], http: Request) -> list[RequestOutput]:
+        """Run every choice to the end; a client that hangs up aborts them (their blocks are freed)."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        outputs = choices.merged(streams)
         async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                final = out
+            async for i, out in outputs:
+                finals[i] = out
                 if not out.finished and await http.is_disconnected():
                     break
-        if final is None or not final.finished:
-            raise GenerationFailed("request aborted")
-        if final.finish_reason == "error":
-            raise GenerationFailed(final.error or "generation failed")
-        return final
+        for final in finals:
+            if final is None or not final.finished:
+                raise GenerationFailed("request aborted")
+            if final.finish_reason == "error":
+                raise GenerationFailed(final.error or "generation failed")
+        return finals  # type: ignore[return-value]
 
     # ---- /v1/completions -------------------------------------------------------------------
     def _completion_prompt(self, req: CompletionRequest) -> tuple[list[int], str]:
@@ -87,26 +118,41 @@ class OpenAIServing:
             if bad:
                 raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                      param="prompt")
-            ids, text = list(prompt), self.tokenizer.decode(list(prompt))
+            # Text only for echo, and only of a prompt that can fit (decoding holds the GIL).
+            ids = list(prompt)
+            text = self.tokenizer.decode(ids) if len(ids) <= self.max_model_len else ""
         if not ids:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         return ids, text
 
     async def completions(self, req: CompletionRequest, http: Request) -> Any:
         req.check_supported()
-        ids, prompt_text = self._completion_prompt(req)
+        # Tokenizing (and the chat template below) runs on a worker thread: a megabyte prompt takes
+        # seconds, and the event loop must keep answering /health meanwhile.
+        ids, prompt_text = await run_in_threadpool(self._completion_prompt, req)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         if max_tokens == 0 and not req.echo:
             raise InvalidRequest("max_tokens must be >= 1 unless echo is set", param="max_tokens")
         self._check_length(len(ids), max_tokens)
+        count = max(req.n, req.best_of or 1)
+        # best_of ranks choices by their logprobs: ask for them even when the client did not.
+        logprobs = req.logprobs if count == req.n or req.logprobs is not None else 0
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
-        params = self._params(req, max_tokens, req.logprobs, prompt_lp)
+        params = self._params(req, max_tokens, logprobs, prompt_lp, await self._structured(req))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = await self.engine.add_request(request_id, ids, params)
+        streams = await choices.submit(self.engine, request_id, ids, params, count)
         if req.stream:
-            body = self._stream_completion(request_id, req, ids, prompt_text, outputs)
+            render = self._completion_renderer(request_id, req, ids, prompt_text, count)
+            body = self._stream(request_id, req, streams, "text_completion", render)
             return StreamingResponse(body, media_type="text/event-stream")
-        final = await self._collect(outputs, http)
+        finals = await self._collect(streams, http)
+        kept = choices.best(finals, req.n) if count > req.n else list(range(count))
+        body = [self._completion_choice(index, req, ids, prompt_text, finals[i])
+                for index, i in enumerate(kept)]
+        return JSONResponse(fmt.completion_body(request_id, self.model_name, body, finals))
+
+    def _completion_choice(self, index: int, req: CompletionRequest, ids: list[int], prompt_text: str,
+                           final: RequestOutput) -> dict[str, Any]:
         text = (prompt_text if req.echo else "") + final.text
         logprobs = None
         if req.logprobs is not None:
@@ -115,52 +161,71 @@ class OpenAIServing:
                 acc.add(ids, final.prompt_logprobs or [])
             acc.add(final.output_token_ids, final.logprobs)
             logprobs = acc.body()
-        return JSONResponse(fmt.completion_body(request_id, self.model_name, text, final, logprobs))
+        return fmt.completion_choice(index, text, final, logprobs)
 
-    async def _stream_completion(self, request_id: str, req: CompletionRequest, ids: list[int],
-                                 prompt_text: str,
-                                 outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        acc = fmt.LegacyLogprobs(self.token_text) if req.logprobs is not None else None
-        echo_pending, prompt_lp_pending = req.echo, req.echo and acc is not None
-        seen_lp, final = 0, None
+    async def _stream(self, request_id: str, req: _Request, streams: Sequence[RequestStream], obj: str,
+                      render: ChunkRenderer, head: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
+        """SSE body of a streamed request: ``head`` chunks, then ``render``'s chunks for every output
+        of every choice as it arrives, the usage chunk if asked for, and [DONE]."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        for chunk in head:
+            yield fmt.sse(chunk)
         try:
-            async for out in outputs:
-                final = out
-                if out.finish_reason == "error":
-                    yield fmt.sse(error_body(out.error or "generation failed", "server_error"))
-                    break
-                text = out.new_text
-                if echo_pending:
-                    text, echo_pending = prompt_text + text, False
-                if acc is not None:
-                    if prompt_lp_pending and out.prompt_logprobs is not None:
-                        acc.add(ids, out.prompt_logprobs)
-                        prompt_lp_pending = False
-                    acc.add(out.new_token_ids, out.logprobs[seen_lp:seen_lp + len(out.new_token_ids)])
-                    seen_lp += len(out.new_token_ids)
-                if not text and not out.new_token_ids and not out.finished:
-                    continue
-                lp = acc.take() if acc is not None else None
-                yield fmt.sse(fmt.completion_chunk(request_id, self.model_name, text, lp,
-                                                   fmt.finish_reason(out)))
+            async with contextlib.aclosing(choices.merged(streams)) as outputs:
+                async for i, out in outputs:
+                    finals[i] = out
+                    if out.finish_reason == "error":
+                        yield fmt.sse(error_body(out.error or "generation failed", "server_error"))
+                        break
+                    for chunk in render(i, out):
+                        yield fmt.sse(chunk)
         except Exception as err:  # engine gone mid-stream: tell the client in-band
             yield fmt.sse(error_body(str(err), "server_error"))
-        if final is not None and final.finished and req.include_usage:
-            yield fmt.sse(fmt.usage_chunk(request_id, self.model_name, "text_completion", final))
+        if all(f is not None and f.finished for f in finals) and req.include_usage:
+            yield fmt.sse(fmt.usage_chunk(request_id, self.model_name, obj, finals))  # type: ignore[arg-type]
         yield fmt.SSE_DONE
 
+    def _completion_renderer(self, request_id: str, req: CompletionRequest, ids: list[int],
+                             prompt_text: str, n: int) -> ChunkRenderer:
+        """Per-choice chunk builder: echo first, then new text with its legacy logprobs."""
+        accs = [fmt.LegacyLogprobs(self.token_text) if req.logprobs is not None else None for _ in range(n)]
+        echo_pending = [req.echo] * n
+        prompt_lp_pending = [req.echo and req.logprobs is not None] * n
+        seen_lp = [0] * n
+
+        def render(i: int, out: RequestOutput) -> list[dict[str, Any]]:
+            text = out.new_text
+            if echo_pending[i]:
+                text, echo_pending[i] = prompt_text + text, False
+            acc = accs[i]
+            if acc is not None:
+                if prompt_lp_pending[i] and out.prompt_logprobs is not None:
+                    acc.add(ids, out.prompt_logprobs)
+                    prompt_lp_pending[i] = False
+                acc.add(out.new_token_ids, out.logprobs[seen_lp[i]:seen_lp[i] + len(out.new_token_ids)])
+                seen_lp[i] += len(out.new_token_ids)
+            if not text and not out.new_token_ids and not out.finished:
+                return []
+            lp = acc.take() if acc is not None else None
+            reason = fmt.finish_reason(out)
+            return [fmt.completion_chunk(request_id, self.model_name, text, lp, reason, index=i)]
+        return render
+
     # ---- /v1/chat/completions --------------------------------------------------------------
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered by the model's chat template."""
+        rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
         except ValueError as err:  # the template refused the conversation (e.g. roles out of order)
             raise InvalidRequest(str(err), param="messages") from None
-        return self.tokenizer.encode(prompt)
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        return self.tokenizer.encode(self.chat_prompt(req.messages))
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Any:
         req.check_supported()
-        ids = self._chat_prompt(req)
+        ids = await run_in_threadpool(self._chat_prompt, req)
         requested = req.requested_max_tokens
         if requested == 0:
             raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
@@ -172,44 +237,41 @@ class OpenAIServing:
             max_tokens = requested
             self._check_length(len(ids), max_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._params(req, max_tokens, top_n, None)
+        params = self._params(req, max_tokens, top_n, None, await self._structured(req))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await self.engine.add_request(request_id, ids, params)
+        streams = await choices.submit(self.engine, request_id, ids, params, req.n)
         if req.stream:
-            body = self._stream_chat(request_id, req, outputs)
+            role = {"role": "assistant", "content": ""}
+            head = [fmt.chat_chunk(request_id, self.model_name, role, None, None, index=i)
+                    for i in range(req.n)]
+            body = self._stream(request_id, req, streams, "chat.completion.chunk",
+                                self._chat_renderer(request_id, top_n, req.n), head)
             return StreamingResponse(body, media_type="text/event-stream")
-        final = await self._collect(outputs, http)
-        logprobs = None
-        if top_n is not None:
-            logprobs = fmt.chat_logprobs(final.output_token_ids, final.logprobs, self.token_text, top_n)
-        return JSONResponse(fmt.chat_body(request_id, self.model_name, final, logprobs))
+        finals = await self._collect(streams, http)
+        body = []
+        for i, final in enumerate(finals):
+            logprobs = None
+            if top_n is not None:
+                logprobs = fmt.chat_logprobs(final.output_token_ids, final.logprobs, self.token_text, top_n)
+            body.append(fmt.chat_choice(i, final, logprobs))
+        return JSONResponse(fmt.chat_body(request_id, self.model_name, body, finals))
 
-    async def _stream_chat(self, request_id: str, req: ChatCompletionRequest,
-                           outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
-        yield fmt.sse(fmt.chat_chunk(request_id, self.model_name, {"role": "assistant", "content": ""},
-                                     None, None))
-        seen_lp, final = 0, None
-        try:
-            async for out in outputs:
-                final = out
-                if out.finish_reason == "error":
-                    yield fmt.sse(error_body(out.error or "generation failed", "server_error"))
-                    break
-                if out.new_text or out.new_token_ids:
-                    lp = None
-                    if top_n is not None:
-                        new = out.logprobs[seen_lp:seen_lp + len(out.new_token_ids)]
-                        lp = fmt.chat_logprobs(out.new_token_ids, new, self.token_text, top_n)
-                        seen_lp += len(out.new_token_ids)
-                    delta = {"content": out.new_text} if out.new_text else {}
-                    if delta or lp:
-                        yield fmt.sse(fmt.chat_chunk(request_id, self.model_name, delta, lp, None))
-                if out.finished:
-                    reason = fmt.finish_reason(out)
-                    yield fmt.sse(fmt.chat_chunk(request_id, self.model_name, {}, None, reason))
-        except Exception as err:
-            yield fmt.sse(error_body(str(err), "server_error"))
-        if final is not None and final.finished and req.include_usage:
-            yield fmt.sse(fmt.usage_chunk(request_id, self.model_name, "chat.completion.chunk", final))
-        yield fmt.SSE_DONE
+    def _chat_renderer(self, request_id: str, top_n: int | None, n: int) -> ChunkRenderer:
+        """Per-choice chunk builder: content deltas with their logprobs, then the finish chunk."""
+        seen_lp = [0] * n
+
+        def render(i: int, out: RequestOutput) -> list[dict[str, Any]]:
+            chunks = []
+            lp = None
+            if top_n is not None and out.new_token_ids:
+                new = out.logprobs[seen_lp[i]:seen_lp[i] + len(out.new_token_ids)]
+                lp = fmt.chat_logprobs(out.new_token_ids, new, self.token_text, top_n)
+                seen_lp[i] += len(out.new_token_ids)
+            delta = {"content": out.new_text} if out.new_text else {}
+            if delta or lp:
+                chunks.append(fmt.chat_chunk(request_id, self.model_name, delta, lp, None, index=i))
+            if out.finished:
+                chunks.append(fmt.chat_chunk(request_id, self.model_name, {}, None, fmt.finish_reason(out),
+                                             index=i))
+            return chunks
+        return render

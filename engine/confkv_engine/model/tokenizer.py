@@ -71,7 +71,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids; special tokens written in the text (e.g. ``<|im_start|>``) map to their ids."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: only the batch call releases the GIL while it works, and the
+        # server tokenizes on a worker thread so that a huge prompt never stalls its event loop.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

@@ -101,12 +101,15 @@ class RetentionManager:
         self._defaults = cfg
 
     def config_for(self, kv_policy: str | None = None, kv_budget: float | None = None) -> RetentionConfig:
-        cfg = self.defaults
+        # One replace: the policy and the budget are checked together, so a request may bring the
+        # budget that its policy needs (h2o, streaming) to a server started without one.
+        changes: dict[str, object] = {}
         if kv_policy is not None:
-            cfg = _peer_scorer(replace(cfg, policy=kv_policy))
+            changes["policy"] = kv_policy
         if kv_budget is not None:
-            cfg = replace(cfg, budget=kv_budget, budget_tokens=None)
-        return cfg
+            changes.update(budget=kv_budget, budget_tokens=None)
+        cfg = replace(self.defaults, **changes) if changes else self.defaults
+        return _peer_scorer(cfg) if kv_policy is not None else cfg
 
     def reserve_blocks(self, cfg: RetentionConfig, max_len: int) -> int | None:
         """Pool blocks a sequence under ``cfg`` can ever hold up to ``max_len`` tokens, or None when

@@ -80,12 +80,30 @@ True (non-empty) when Kopf peering is needed, i.e. more than one operator replic
 {{- end }}
 
 {{/*
+True (non-empty) for the namespaced install: a Role in the release namespace, which is all it watches.
+*/}}
+{{- define "confkv-operator.namespaced" -}}
+{{- if eq .Values.scope "namespace" }}true{{- end }}
+{{- end }}
+
+{{/*
+Namespaces the operator watches, comma-separated (empty: all of them).
+*/}}
+{{- define "confkv-operator.watchNamespaces" -}}
+{{- if include "confkv-operator.namespaced" . }}{{ .Release.Namespace }}{{ else }}{{ .Values.operator.watchNamespaces | join "," }}{{ end }}
+{{- end }}
+
+{{/*
 Operator settings as environment variables (operator/confkv_operator/settings.py validates them at
 start-up). CONFKV_PEERING_PRIORITY is set by the container command when peering is enabled.
 */}}
 {{- define "confkv-operator.env" -}}
 - name: CONFKV_NAMESPACES
-  value: {{ .Values.operator.watchNamespaces | join "," | quote }}
+  value: {{ include "confkv-operator.watchNamespaces" . | quote }}
+- name: CONFKV_WATCH_SCOPE
+  value: {{ .Values.scope | quote }}
+- name: CONFKV_HOST_PATH_PREFIXES
+  value: {{ .Values.operator.hostPathPrefixes | join "," | quote }}
 - name: CONFKV_ENGINE_IMAGE
   value: {{ include "confkv-operator.engineImage" . | quote }}
 - name: CONFKV_AGENT_IMAGE
