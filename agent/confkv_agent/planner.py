@@ -9,7 +9,7 @@ been inactive for ``revert_after`` (default: the cooldown) the planner proposes 
 restores those fields (to the other alerts' overrides where they still hold one, else to the
 baseline). In dry-run every step is proposed and recorded but nothing reaches the engine.
 
-Playbooks (deployment guide, section 5.2, and DESIGN.md):
+Playbooks (the deployment guide's section 5.2):
   hitRate    -> raiseLruK (K + 1 up to ``max_lru_k``), warmup
   vram       -> compress, lowerMaxCacheSize (-20 %), stricterThresholds
   oomPerHour -> halveBatchSize, compress

@@ -91,6 +91,7 @@ class ServerState:
             vocab = getattr(loaded.args, "vocab_size", 1 << 31)
             self.metrics.attach_engine(engine.stats, str(loaded.device))
             engine.start()
+            core.start_compression()  # the background worker for cold cached blocks (when enabled)
             self._core, self._async, self._tokenizer = core, engine, loaded.tokenizer
             if cfg.confkv.warmup.prompts:  # before readiness: the first users already hit the cache
                 ran, cached = self.warm(list(cfg.confkv.warmup.prompts), 0)

@@ -86,6 +86,20 @@ def test_warmup_prefills_what_the_next_request_hits(server: EngineServer, workdi
     wait_for(lambda: _status(workdir / "e.sock").prefix_hit_tokens - before >= 64, "the warmed prefix's hit")
 
 
+def test_forced_compression_frees_kv_bytes_and_keeps_answers(server: EngineServer, workdir: Path) -> None:
+    sock = workdir / "e.sock"
+    prompt = SYSTEM + "Name the component that compresses cold blocks."
+    plain = _complete(server, prompt)["choices"][0]["text"]
+    before = _status(sock)
+    resp = _control(sock, "Compress", pb.CompressRequest(strategy="int8", force=True))
+    after = wait_for(lambda: (s := _status(sock)).kv_blocks_compressed > 0 and s, "compressed blocks")
+    assert resp.blocks_affected > 0 and "pool blocks" in resp.message
+    assert after.kv_bytes_used < before.kv_bytes_used  # the freed blocks are usable by anyone now
+    again = _complete(server, prompt)  # a hit on the compressed prefix, dequantized inside attention
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["choices"][0]["text"] == plain
+
+
 def test_bad_warmup_and_rebuild_requests(server: EngineServer, workdir: Path) -> None:
     with pytest.raises(grpc.RpcError) as err:
         _control(workdir / "e.sock", "Warmup", pb.WarmupRequest(top_k=-1))

@@ -39,7 +39,7 @@ class Histogram(_message.Message):
     def __init__(self, upper_bounds: _Optional[_Iterable[float]] = ..., cumulative_counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("model", "timestamp", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_bytes_used", "kv_bytes_total", "kv_bytes_key_only", "preemptions_total", "oom_total", "prompt_tokens_total", "generated_tokens_total", "latency_count", "latency_seconds_sum", "avg_latency_seconds", "prefix_cache_enabled", "prefix_queried_tokens", "prefix_hit_tokens", "device_memory", "policy_version", "policy_json", "startup_policy_json", "capabilities", "time_to_first_token", "time_per_output_token", "request_latency", "prefix_hit_ratio_window", "kv_bytes_reclaimable", "eviction_k", "disk_records", "disk_bytes", "rebuild_records_skipped")
+    __slots__ = ("model", "timestamp", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_bytes_used", "kv_bytes_total", "kv_bytes_key_only", "preemptions_total", "oom_total", "prompt_tokens_total", "generated_tokens_total", "latency_count", "latency_seconds_sum", "avg_latency_seconds", "prefix_cache_enabled", "prefix_queried_tokens", "prefix_hit_tokens", "device_memory", "policy_version", "policy_json", "startup_policy_json", "capabilities", "time_to_first_token", "time_per_output_token", "request_latency", "prefix_hit_ratio_window", "kv_bytes_reclaimable", "eviction_k", "disk_records", "disk_bytes", "rebuild_records_skipped", "kv_blocks_compressed", "kv_bytes_compressed")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class EngineStatus(_message.Message):
     DISK_RECORDS_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     REBUILD_RECORDS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_COMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_COMPRESSED_FIELD_NUMBER: _ClassVar[int]
     model: str
     timestamp: float
     num_running: int
@@ -108,7 +110,9 @@ class EngineStatus(_message.Message):
     disk_records: int
     disk_bytes: int
     rebuild_records_skipped: int
-    def __init__(self, model: _Optional[str] = ..., timestamp: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_bytes_key_only: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., oom_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., latency_count: _Optional[int] = ..., latency_seconds_sum: _Optional[float] = ..., avg_latency_seconds: _Optional[float] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ..., policy_version: _Optional[int] = ..., policy_json: _Optional[str] = ..., startup_policy_json: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., time_to_first_token: _Optional[_Union[Histogram, _Mapping]] = ..., time_per_output_token: _Optional[_Union[Histogram, _Mapping]] = ..., request_latency: _Optional[_Union[Histogram, _Mapping]] = ..., prefix_hit_ratio_window: _Optional[float] = ..., kv_bytes_reclaimable: _Optional[int] = ..., eviction_k: _Optional[int] = ..., disk_records: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., rebuild_records_skipped: _Optional[int] = ...) -> None: ...
+    kv_blocks_compressed: int
+    kv_bytes_compressed: int
+    def __init__(self, model: _Optional[str] = ..., timestamp: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_bytes_key_only: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., oom_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., latency_count: _Optional[int] = ..., latency_seconds_sum: _Optional[float] = ..., avg_latency_seconds: _Optional[float] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ..., policy_version: _Optional[int] = ..., policy_json: _Optional[str] = ..., startup_policy_json: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., time_to_first_token: _Optional[_Union[Histogram, _Mapping]] = ..., time_per_output_token: _Optional[_Union[Histogram, _Mapping]] = ..., request_latency: _Optional[_Union[Histogram, _Mapping]] = ..., prefix_hit_ratio_window: _Optional[float] = ..., kv_bytes_reclaimable: _Optional[int] = ..., eviction_k: _Optional[int] = ..., disk_records: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., rebuild_records_skipped: _Optional[int] = ..., kv_blocks_compressed: _Optional[int] = ..., kv_bytes_compressed: _Optional[int] = ...) -> None: ...
 
 class UpdatePolicyRequest(_message.Message):
     __slots__ = ("confkv_json", "replace", "max_batch_size", "expected_version", "require_live", "reason")

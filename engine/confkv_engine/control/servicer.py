@@ -71,8 +71,6 @@ MAX_WATCH_STREAMS = 8
 UNARY_WORKERS = 8
 MAX_CONCURRENT_RPCS = 64
 MISSING = {
-    "compress": "this engine has no KV block compression yet (capability 'compress' is missing): cold blocks "
-                "are never quantized, so there is nothing to compress; nothing was changed",
     "prefix-cache": "this engine runs without a prefix cache (confkv.prefixCache.enabled is false): there "
                     "is nothing to warm up; nothing was changed",
 }
@@ -217,6 +215,7 @@ class ControlPlane:
             prefix_hit_ratio_window=s.prefix_hit_ratio_window,
             disk_records=s.disk_records, disk_bytes=s.disk_bytes,
             rebuild_records_skipped=s.rebuild_records_skipped,
+            kv_blocks_compressed=s.kv_blocks_compressed, kv_bytes_compressed=s.kv_bytes_compressed,
             policy_version=policy.version, policy_json=policy.to_json(),
             startup_policy_json=store.startup.to_json(), capabilities=binding.capabilities(),
             time_to_first_token=histogram_message(binding.registry, names.TIME_TO_FIRST_TOKEN_SECONDS),
@@ -305,10 +304,18 @@ class ControlServicer(pb_grpc.EngineControlServicer):
         raise AssertionError("unreachable")  # context.abort raises
 
     def Compress(self, request: pb.CompressRequest, context: grpc.ServicerContext) -> pb.ActionResponse:
-        if request.strategy not in ("", "int8", "int4"):
+        binding, _ = self._require(context)
+        if request.strategy not in ("", "int8", "int4", "quantization"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"strategy must be int8 or int4, got {request.strategy!r}")
-        return self._missing("compress", context)
+                          f"strategy must be int8, int4 or quantization (the policy's bits), "
+                          f"got {request.strategy!r}")
+        bits = {"int8": 8, "int4": 4}.get(request.strategy)
+        result = binding.target.compress(bits, request.force)
+        message = (f"compressed {result.blocks} KV blocks"
+                   f"{' (forced)' if request.force else ''}: {result.pool_blocks_freed} pool blocks "
+                   f"({result.bytes_freed} bytes) freed")
+        log.info("Compress: %s", message)
+        return pb.ActionResponse(message=message, blocks_affected=result.blocks)
 
     def RebuildIndex(self, request: pb.RebuildIndexRequest,
                      context: grpc.ServicerContext) -> pb.ActionResponse:

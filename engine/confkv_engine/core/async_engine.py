@@ -1,7 +1,8 @@
 """Asyncio front of the synchronous ``LLMEngine``.
 
 One dedicated thread owns the engine: it applies queued submissions and aborts, calls ``step()``
-while there is work, and sleeps on a condition variable when idle (no busy spin). Outputs are
+while there is work, and sleeps on a condition variable when idle (no busy spin; it wakes once a
+second to refresh the stats snapshot). Outputs are
 handed to per-request ``asyncio.Queue``s on the caller's loop with ``call_soon_threadsafe``, so the
 event loop never waits for the model and ``/health`` answers while a long generation runs.
 """
@@ -24,6 +25,8 @@ from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
+
+IDLE_REFRESH_SECONDS = 1.0
 
 __all__ = ["AsyncEngine", "EngineUnavailable", "QueueFull", "configure_torch_threads"]
 
@@ -174,8 +177,10 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not (busy or self._pending.adds or self._pending.aborts or self._stopped):
-                        self._cond.wait()
+                    if not (busy or self._pending.adds or self._pending.aborts or self._stopped):
+                        # Idle: wake now and then anyway, so the snapshot shows what changed between
+                        # steps (a compression, a live resize, the background worker's passes).
+                        self._cond.wait(IDLE_REFRESH_SECONDS)
                     pending, self._pending = self._pending, _Pending()
                     stopping = self._stopped
                 self._apply(pending)  # on stop too: late aborts still free their blocks

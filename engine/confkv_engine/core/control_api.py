@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from confkv_api.config import ConfKVSection
+from confkv_engine.cache.layout import CompressResult
 
 #: The dotted config path of the live batch-size setting.
 BATCH_FIELD = "engine.maxBatchSize"
@@ -82,6 +83,11 @@ class EngineControlTarget(Protocol):
     def apply_policy(self, confkv: ConfKVSection, max_batch_size: int, changed: list[str]) -> None:
         """Apply the validated policy's ``changed`` live fields between two steps, all or nothing;
         raises ``PolicyRejected`` (nothing changed) when the engine cannot take it."""
+        ...
+
+    def compress(self, bits: int | None, force: bool) -> CompressResult:
+        """Quantize KV blocks now (``bits`` None: the policy's); forced: running requests' cold
+        blocks too. Pool blocks it frees are usable at once."""
         ...
 
     def rebuild_index(self) -> str:
