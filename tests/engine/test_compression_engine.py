@@ -80,7 +80,7 @@ def test_forced_int8_keeps_greedy_decoding_and_frees_pool_blocks(loaded) -> None
     for ref, got in zip(reference, outputs, strict=True):
         assert_same_or_near_tie(ref, got)
     stats = eng.stats()
-    assert stats.kv_blocks_compressed == eng.cache.num_compressed > 0  # cached after the requests
+    assert stats.kv_blocks_compressed == len(eng.cache.store) > 0  # cached after the requests
     assert stats.kv_bytes_compressed > 0
 
 
@@ -91,7 +91,7 @@ def test_prefix_hit_on_compressed_cached_blocks(loaded) -> None:
     cached = len(eng.cache.eviction)
     assert cached > 0
     result = eng.compress(force=True)  # nothing runs: every cached block is evictable
-    assert result.blocks == 2 * cached and eng.cache.num_compressed == 2 * cached
+    assert result.blocks == 2 * cached and len(eng.cache.store) == 2 * cached
     hits_before = eng.cache.hits.hit
     again, _ = run(eng, batch)
     assert eng.cache.hits.hit - hits_before >= eng.cache.spec.block_size * (len(batch[0]) // 16 - 1)

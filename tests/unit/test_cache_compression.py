@@ -83,7 +83,7 @@ def test_round_trip_is_the_codecs_exactly_and_the_ratio_is_its_bytes(dtype: torc
         k_exp, v_exp = k_exp / 2, v_exp / 2
     assert k_ratio == pytest.approx(k_exp) and v_ratio == pytest.approx(v_exp)
     pair = cache.store.nbytes(seq.k_blocks[0]) + cache.store.nbytes(seq.v_blocks[0])
-    assert cache.compressed_bytes == 3 * pair
+    assert cache.store.stored_bytes == 3 * pair
 
 
 def test_compression_frees_pool_blocks_another_sequence_uses_at_once() -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from confkv_engine.cache.block_pool import BlockPool
 from confkv_engine.cache.codec import CodecSpec, decode_rows
 
 
@@ -118,9 +119,12 @@ class GatherPlan:
 
 
 class CompressedStore:
-    """Arenas and handle reference counts over a pool tensor ``kv[L, NB, bs, Hkv, D]``."""
+    """Arenas and handle reference counts over a pool tensor ``kv[L, NB, bs, Hkv, D]``; the block
+    reference operations (``ref`` / ``incref_all`` / ``release`` / ``block_data``) take either kind."""
 
-    def __init__(self, kv: Tensor) -> None:
+    def __init__(self, kv: Tensor, pool: BlockPool) -> None:
+        self.pool = pool
+        self.kv = kv
         self.num_layers, num_blocks = kv.shape[0], kv.shape[1]
         self.host_bytes = kv[0, 0].numel() * kv.element_size()
         self.bytes = kv.view(torch.uint8).view(self.num_layers, num_blocks * self.host_bytes)
@@ -173,6 +177,38 @@ class CompressedStore:
 
     def ref_count(self, handle: int) -> int:
         return self._refs.get(handle, 0)
+
+    # ---- pool blocks and handles alike ------------------------------------------------------
+    def ref(self, block: int) -> int:
+        return self.pool.ref_count(block) if block >= 0 else self.ref_count(block)
+
+    def incref_all(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b >= 0:
+                self.pool.incref([b])
+            else:
+                self.incref(b)
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference per entry; an arena emptied by it gives its hosts back to the pool."""
+        self.pool.free([b for b in blocks if b >= 0])
+        for h in blocks:
+            if h < 0:
+                self.pool.free(self.free(h))
+
+    def block_data(self, block: int) -> Tensor:
+        """One block over all layers [L, bs, Hkv, D] (decoded when compressed)."""
+        return self.kv[:, block] if block >= 0 else self.decode_block(block)
+
+    def fill_positions(self, out: Tensor, table: list[int], block_size: int) -> None:
+        """Write the positions of a K table's compressed blocks into ``out`` [L, num_slots, Hkv]
+        (a compressed K block holds consecutive positions from its first one)."""
+        n = out.shape[1]
+        for i, b in enumerate(table[: -(-n // block_size)]):
+            if b < 0:
+                first, end = self._handles[b].first_pos or 0, min(block_size, n - i * block_size)
+                out[:, i * block_size:i * block_size + end, :] = torch.arange(
+                    first, first + end, dtype=out.dtype, device=out.device)[None, :, None]
 
     def incref(self, handle: int) -> None:
         if self._refs.get(handle, 0) <= 0:

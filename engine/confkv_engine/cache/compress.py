@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.arena import CompressedStore
+from confkv_engine.cache.arena import CompressedStore, block_codecs
 from confkv_engine.cache.block_pool import BlockPool
 from confkv_engine.cache.codec import CodecSpec, encode_rows
 from confkv_engine.cache.eviction import LRUK
@@ -50,9 +50,13 @@ class KVCache(Protocol):
     def _allocate(self, n: int) -> list[int]: ...
 
 
-def compress_cold_entries(cache: KVCache, specs: tuple[CodecSpec, CodecSpec], cold_after: float,
+def _specs(cache: KVCache, bits: int, group: int) -> tuple[CodecSpec, CodecSpec]:
+    return block_codecs(cache.spec.block_size, cache.spec.num_kv_heads, cache.spec.head_dim, bits, group)
+
+
+def compress_cold_entries(cache: KVCache, bits: int, group: int, cold_after: float,
                           limit: int, now: float) -> CompressResult:
-    used = cache.pool.num_used
+    specs, used = _specs(cache, bits, group), cache.pool.num_used
     done = 0
     for key, released in list(cache._cold.items()):
         if done >= limit or released > now - cold_after:
@@ -68,9 +72,9 @@ def compress_cold_entries(cache: KVCache, specs: tuple[CodecSpec, CodecSpec], co
     return _result(cache, done, used)
 
 
-def compress_seq_blocks(cache: KVCache, seqs: list[SeqKV], eligible: list[int],
-                        specs: tuple[CodecSpec, CodecSpec], limit: int) -> CompressResult:
-    used = cache.pool.num_used
+def compress_seq_blocks(cache: KVCache, seqs: list[SeqKV], eligible: list[int], bits: int,
+                        group: int, limit: int) -> CompressResult:
+    specs, used = _specs(cache, bits, group), cache.pool.num_used
     holders: dict[int, list[Holder]] = {}
     entry_keys: dict[int, bytes] = {}  # pool block -> key of the prefix entry holding it
     for s in seqs:

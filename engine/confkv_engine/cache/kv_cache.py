@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.arena import CompressedStore, GatherPlan, block_codecs
+from confkv_engine.cache.arena import CompressedStore, GatherPlan
 from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
 from confkv_engine.cache.compress import compress_cold_entries, compress_seq_blocks
 from confkv_engine.cache.eviction import LRUK
@@ -90,7 +90,7 @@ class KVCache:
                               device=spec.device)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
-        self.store = CompressedStore(self.kv)
+        self.store = CompressedStore(self.kv, self.pool)
         self._evictable_handles = 0  # compressed entries of evictable prefix blocks (no pool block)
         self._cold: dict[bytes, float] = {}  # evictable entries with a pool block: release time, oldest first
 
@@ -173,7 +173,7 @@ class KVCache:
 
     def shares_blocks(self, seq: SeqKV) -> bool:
         """True when another holder references one of the sequence's blocks (then they are immutable)."""
-        ref = self._ref
+        ref = self.store.ref
         return any(ref(b) > 1 for b in seq.k_blocks) or any(
             b != self.null_block and ref(b) > 1 for b in seq.v_blocks)
 
@@ -198,14 +198,14 @@ class KVCache:
     def free(self, seq: SeqKV) -> None:
         """Drop the sequence's references (K table first, then V) and reset it. Its blocks the prefix
         index holds stay cached and become evictable, the chain's tail first."""
-        private = [b for b in seq.k_blocks if self._ref(b) == 1]
+        private = [b for b in seq.k_blocks if self.store.ref(b) == 1]
         self._clear_positions(private)
-        self._release(seq.k_blocks)
-        self._release([b for b in seq.v_blocks if b != self.null_block])
+        self.store.release(seq.k_blocks)
+        self.store.release([b for b in seq.v_blocks if b != self.null_block])
         for i in reversed(range(len(seq.block_keys))):
             entry = self.prefix.get(seq.block_keys[i]) if self.prefix is not None else None
             mine = entry is not None and entry.k_block == seq.k_blocks[i]
-            if mine and self._ref(entry.k_block) == 1:
+            if mine and self.store.ref(entry.k_block) == 1:
                 self._mark_evictable(entry)
         seq.k_blocks, seq.v_blocks, seq.num_slots, seq.block_keys = [], [], 0, []
 
@@ -227,7 +227,7 @@ class KVCache:
         if self.sink is not None:  # the disk tier decides whether the block deserves the disk
             self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(key)))
         self._clear_positions([entry.k_block])
-        self._release([entry.k_block, entry.v_block])
+        self.store.release([entry.k_block, entry.v_block])
         self.eviction.forget(key)
 
     # ---- prefix cache ------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class KVCache:
             raise ValueError("a prefix attaches to an empty sequence only")
         self._clock += 1
         for e in entries:
-            self._incref([e.k_block, e.v_block])
+            self.store.incref_all([e.k_block, e.v_block])
             if self.eviction.acquire(e.key):
                 self._set_idle(e, -1)
                 self._cold.pop(e.key, None)
@@ -282,14 +282,14 @@ class KVCache:
             if key in self.prefix or seq.v_blocks[b] == self.null_block:
                 continue
             self.prefix.insert(CachedBlock(key, parent, block_tokens, seq.k_blocks[b], seq.v_blocks[b]))
-            self._incref([seq.k_blocks[b], seq.v_blocks[b]])
+            self.store.incref_all([seq.k_blocks[b], seq.v_blocks[b]])
             self.eviction.touch(key, self._clock)
             added += 1
         return added
 
     def entry_payload(self, entry: CachedBlock) -> bytes:
         """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
-        pair = torch.stack([self._block_data(entry.k_block), self._block_data(entry.v_block)])
+        pair = torch.stack([self.store.block_data(entry.k_block), self.store.block_data(entry.v_block)])
         return pair.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
     def load_entry(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], payload: bytes) -> bool:
@@ -320,34 +320,20 @@ class KVCache:
             self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(entry.key)))
         return len(entries)
 
-    # ---- compression (``cache.compress``) ---------------------------------------------------
+    # ---- compression (``cache.compress``; ``store`` counts them and their bytes) -------------
     def compress_cold(self, bits: int, group: int, cold_after: float, limit: int,
                       now: float | None = None) -> CompressResult:
         """Compress up to ``limit`` blocks of evictable prefix entries unused for ``cold_after``
         seconds, the longest unused first."""
-        return compress_cold_entries(self, block_codecs(*self._codec_dims, bits, group), cold_after,
-                                     limit, time.monotonic() if now is None else now)
+        return compress_cold_entries(self, bits, group, cold_after, limit,
+                                     time.monotonic() if now is None else now)
 
     def compress_tables(self, seqs: list[SeqKV], eligible: list[int], bits: int, group: int,
                         limit: int) -> CompressResult:
         """Compress blocks ``[0, eligible[i])`` of ``seqs[i]`` (K and V tables), at most ``limit``.
         ``seqs`` must list every sequence holding blocks: a block is compressed only when its
         holders there plus the prefix index account for all its references."""
-        return compress_seq_blocks(self, seqs, eligible, block_codecs(*self._codec_dims, bits, group), limit)
-
-    @property
-    def _codec_dims(self) -> tuple[int, int, int]:
-        return self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim
-
-    @property
-    def num_compressed(self) -> int:
-        """Blocks stored compressed (K and V counted apart)."""
-        return len(self.store)
-
-    @property
-    def compressed_bytes(self) -> int:
-        """Encoded bytes of the compressed blocks (the arenas' pool blocks hold them)."""
-        return self.store.stored_bytes
+        return compress_seq_blocks(self, seqs, eligible, bits, group, limit)
 
     def set_eviction_k(self, k: int) -> None:
         """Live LRU-K change: cached blocks and their history stay."""
@@ -360,28 +346,6 @@ class KVCache:
             idx = (torch.tensor(blocks, device=self.pos.device)[:, None] * bs
                    + torch.arange(bs, device=self.pos.device)).view(-1)
             self.pos.index_fill_(1, idx, -1)
-
-    # ---- reference counts over pool blocks and compressed handles ---------------------------
-    def _ref(self, block: int) -> int:
-        return self.pool.ref_count(block) if block >= 0 else self.store.ref_count(block)
-
-    def _incref(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if b >= 0:
-                self.pool.incref([b])
-            else:
-                self.store.incref(b)
-
-    def _release(self, blocks: list[int]) -> None:
-        """Drop one reference per entry; an arena emptied by it gives its hosts back to the pool."""
-        self.pool.free([b for b in blocks if b >= 0])
-        for h in blocks:
-            if h < 0:
-                self.pool.free(self.store.free(h))
-
-    def _block_data(self, block: int) -> Tensor:
-        """One block over all layers [L, bs, Hkv, D] (decoded when compressed)."""
-        return self.kv[:, block] if block >= 0 else self.store.decode_block(block)
 
     def _mark_evictable(self, entry: CachedBlock) -> None:
         self.eviction.release(entry.key)
@@ -426,12 +390,7 @@ class KVCache:
         slots = torch.arange(n, device=self.pos.device)
         idx = self.slot_index([self.null_block if b < 0 else b for b in seq.k_blocks], slots)
         out = self.pos[:, idx, :]
-        for i, b in enumerate(seq.k_blocks[: -(-n // bs)]):
-            if b < 0:  # a compressed block holds consecutive positions from its first one
-                first = self.store.first_pos(b) or 0
-                end = min(bs, n - i * bs)
-                out[:, i * bs:i * bs + end, :] = torch.arange(first, first + end, dtype=out.dtype,
-                                                              device=out.device)[None, :, None]
+        self.store.fill_positions(out, seq.k_blocks, bs)
         return out.permute(0, 2, 1)
 
     def read_values(self, seq: SeqKV) -> Tensor:
@@ -464,7 +423,7 @@ class KVCache:
         become the null block). Tail blocks go back to the pool now; returns blocks freed (net)."""
         spec, dev, bs = self.spec, self.kv.device, self.spec.block_size
         n_new = order.shape[-1]
-        if base % bs or any(self._ref(b) > 1 or b < 0 for b in seq.k_blocks[base // bs:]):
+        if base % bs or any(self.store.ref(b) > 1 or b < 0 for b in seq.k_blocks[base // bs:]):
             raise ValueError("retention may rewrite only a sequence's private blocks after its prefix")
         src = order[..., base:].to(dev)
         layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
@@ -478,7 +437,7 @@ class KVCache:
         tail_k, tail_v = seq.k_blocks[nb:], seq.v_blocks[nb:]
         del seq.k_blocks[nb:], seq.v_blocks[nb:]
         self._clear_positions(tail_k)
-        self._release(tail_k + [b for b in tail_v if b != self.null_block])
+        self.store.release(tail_k + [b for b in tail_v if b != self.null_block])
         self._set_null_entries(seq, base // bs, (base + n_key) // bs)
 
         dst = torch.arange(base, n_new, device=dev).expand_as(src)
@@ -498,7 +457,7 @@ class KVCache:
             block = seq.v_blocks[i]
             is_null = block == self.null_block
             if i < hole and not is_null:
-                self._release([block])
+                self.store.release([block])
                 seq.v_blocks[i] = self.null_block
             elif i >= hole and is_null:
                 seq.v_blocks[i] = self._allocate(1)[0]

@@ -450,8 +450,8 @@ class LLMEngine:
                 kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
                 kv_bytes_reclaimable=self.cache.reclaimable_bytes,
                 eviction_k=self.cache.eviction.k, **self._disk_stats(),
-                kv_blocks_compressed=self.cache.num_compressed,
-                kv_bytes_compressed=self.cache.compressed_bytes)
+                kv_blocks_compressed=len(self.cache.store),
+                kv_bytes_compressed=self.cache.store.stored_bytes)
 
     def _disk_stats(self) -> dict[str, int]:
         if self.disk is None:
