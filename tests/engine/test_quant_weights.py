@@ -103,7 +103,8 @@ def test_int4_from_q4_1_within_bf16_rounding_of_dequantized(q4_1_llama):
     bf16 = load_model(str(q4_1_llama), weights="bf16")
     int4 = load_model(str(q4_1_llama), weights="int4")
     layers = [m for m in int4.model.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 2 * 7 + 1 and all(m.kernel_for(1) == "int4" for m in layers if m.kind == "int4")
+    # per layer: qkv, o, gate_up, down (q/k/v and gate/up fused); plus the LM head
+    assert len(layers) == 2 * 4 + 1 and all(m.kernel_for(1) == "int4" for m in layers if m.kind == "int4")
     assert int4.weights == "int4" and int4.dtype == kernels.activation_dtype()
     tokens = PROMPT + [5, 77, 300, 12, 9, 41]
     ref = dense_logits(dense.model, tokens, len(PROMPT))
@@ -136,3 +137,17 @@ def test_bad_weights_modes_are_rejected(q4_1_llama):
         load_model(str(q4_1_llama), weights="int3")
     with pytest.raises(ModelLoadError, match="CPU kernels only"):
         load_model(str(q4_1_llama), device="cuda", weights="int4")
+
+
+def test_engine_on_quantized_model_matches_dense_reference(q4_1_llama):
+    """Paged attention over the fused, quantized model gives the tokens the dense reference
+    backend gives on the same model (same kernels: prompt and decode rows dispatch alike)."""
+    from confkv_engine.core.engine import LLMEngine
+    from confkv_engine.core.sampling_params import SamplingParams
+
+    loaded = load_model(str(q4_1_llama), weights="int4")
+    assert loaded.model.layers[0].self_attn.qkv_proj is not None
+    out = LLMEngine(loaded).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    tokens = PROMPT + out[0].output_token_ids
+    logits = dense_logits(loaded.model, tokens, len(PROMPT))
+    assert logits[len(PROMPT) - 1:-1].argmax(-1).tolist() == out[0].output_token_ids

@@ -207,6 +207,7 @@ def _quantize(model: LlamaForCausalLM, weights: dict[str, qlinear.QuantWeight],
     if not weights:
         return None
     start = time.perf_counter()
+    weights = qlinear.fuse_weights(weights)
     table = kernels.load_or_measure(qlinear.linear_shapes(weights), dtype)
     count = qlinear.swap_linears(model, weights, dtype, table)
     log.info("%d linear layers quantized (%s kernel table, %.2f s)", count, table.source,

@@ -73,22 +73,69 @@ def build_quant_linear(weight: QuantWeight, bias: Tensor | None, dtype: torch.dt
     return QuantLinear(k, n, kind, fns, plan)
 
 
+# Linears that read the same input, served as one matmul (fewer kernel calls per layer): fused
+# name -> the members whose output rows it stacks, in order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _stack(parts: list[QuantWeight]) -> QuantWeight | None:
+    if all(isinstance(p, Int4Weight) for p in parts) and len({p.group for p in parts}) == 1:  # type: ignore[union-attr]
+        return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.zero for p in parts]), parts[0].group)  # type: ignore[union-attr]
+    if all(isinstance(p, Int8Weight) for p in parts):
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    return None
+
+
+def fuse_weights(weights: Mapping[str, QuantWeight]) -> dict[str, QuantWeight]:
+    """Replace each complete group of ``FUSED`` members of one format by their stacked weight,
+    keyed ``<parent>.<fused name>``; members in mixed formats stay separate."""
+    out = dict(weights)
+    parents = {path.rpartition(".")[0] for path in weights}
+    for parent in sorted(parents):
+        for fused, members in FUSED.items():
+            paths = [f"{parent}.{m}" for m in members]
+            if not all(p in out for p in paths):
+                continue
+            stacked = _stack([out[p] for p in paths])
+            if stacked is not None:
+                for p in paths:
+                    del out[p]
+                out[f"{parent}.{fused}"] = stacked
+    return out
+
+
+def _dense_and_bias(parent: nn.Module, attr: str) -> tuple[Tensor, Tensor | None]:
+    """The source's dense weight (and bias) of ``parent.attr``, stacked for a fused name."""
+    linears = [getattr(parent, m) for m in FUSED.get(attr, (attr,))]
+    for lin in linears:
+        if not isinstance(lin, nn.Linear):
+            raise TypeError(f"{type(parent).__name__}.{attr}: {type(lin).__name__} is not a Linear")
+    dense = torch.cat([lin.weight for lin in linears]) if len(linears) > 1 else linears[0].weight
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return dense, None
+    if any(b is None for b in biases):
+        raise ValueError(f"{type(parent).__name__}.{attr}: only some of the fused linears have a bias")
+    return dense, torch.cat(biases)  # type: ignore[arg-type]
+
+
 def swap_linears(model: nn.Module, weights: Mapping[str, QuantWeight], dtype: torch.dtype,
                  table: kernels.KernelTable) -> int:
-    """Replace every ``nn.Linear`` named in ``weights`` (by module path, e.g. ``layers.0.mlp.up_proj``)
-    with a ``QuantLinear``; returns how many were replaced."""
-    replaced = 0
+    """Replace every ``nn.Linear`` named in ``weights`` (module path, e.g. ``layers.0.mlp.up_proj``,
+    or a ``FUSED`` name whose parent has ``fuse``) with a ``QuantLinear``; returns how many."""
     for path, weight in weights.items():
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        old = getattr(parent, attr)
-        if not isinstance(old, nn.Linear):
-            raise TypeError(f"{path} is a {type(old).__name__}, not a Linear")
-        if tuple(weight.q.shape) != tuple(old.weight.shape):
-            raise ValueError(f"{path}: quantized weight {tuple(weight.q.shape)} != {tuple(old.weight.shape)}")
-        setattr(parent, attr, build_quant_linear(weight, old.bias, dtype, table, dense=old.weight))
-        replaced += 1
-    return replaced
+        dense, bias = _dense_and_bias(parent, attr)
+        if tuple(weight.q.shape) != tuple(dense.shape):
+            raise ValueError(f"{path}: quantized weight {tuple(weight.q.shape)} != {tuple(dense.shape)}")
+        layer = build_quant_linear(weight, bias, dtype, table, dense=dense)
+        if attr in FUSED:
+            parent.fuse(layer)  # type: ignore[operator]
+        else:
+            setattr(parent, attr, layer)
+    return len(weights)
 
 
 def linear_shapes(weights: Mapping[str, QuantWeight]) -> list[tuple[str, int, int]]:
