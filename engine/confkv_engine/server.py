@@ -81,7 +81,7 @@ class ServerState:
 
             cfg = self.config
             loaded = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype),
-                                resolve_device(cfg.engine.device))
+                                resolve_device(cfg.engine.device), weights=cfg.model.weights)
             core = LLMEngine(loaded, cfg)
             engine = AsyncEngine(core,
                                  on_finished=self.metrics.observe_finished,

