@@ -83,7 +83,7 @@ def run_lm_eval(base_url: str, model: str, task_dir: Path,
     return metrics, [float(s["resps"][0][0]) for s in samples]
 
 
-def engine_loglikelihoods(docs: list[str], max_length: int) -> list[float]:
+def engine_loglikelihoods(docs: list[str], max_length: int, weights: str = "fp32") -> list[float]:
     """Each document's log-likelihood from LLMEngine over lm-eval's rolling windows."""
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -92,7 +92,7 @@ def engine_loglikelihoods(docs: list[str], max_length: int) -> list[float]:
     from confkv_engine.core.sampling_params import SamplingParams
     from confkv_engine.model.loader import load_model
 
-    loaded = load_model("builtin:smollm2-135m")
+    loaded = load_model("builtin:smollm2-135m", weights=weights)
     tok = loaded.tokenizer
     engine = LLMEngine(loaded, ConfKVConfig.model_validate({"confkv": {"maxCacheSize": CACHE_SIZE}}))
     # lm-eval's remote tokenizer: prefix = encode(bos_token)[0] or encode(eos_token)[0]
@@ -129,7 +129,8 @@ def compare(served: dict[str, float], own: dict[str, float], served_ll: list[flo
             "per_document_loglikelihood": {"lm_eval": served_ll, "engine": own_ll}}
 
 
-def evaluate(base_url: str, model: str, docs: list[str], rtol: float, max_length: int) -> dict[str, Any]:
+def evaluate(base_url: str, model: str, docs: list[str], rtol: float, max_length: int,
+             weights: str = "fp32") -> dict[str, Any]:
     """Run lm-eval against ``base_url`` and the engine in-process; the comparison report."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -137,7 +138,7 @@ def evaluate(base_url: str, model: str, docs: list[str], rtol: float, max_length
         os.environ.setdefault("HF_HOME", str(Path(tmp) / "hf"))
         write_task(Path(tmp), docs)
         served, served_ll = run_lm_eval(base_url, model, Path(tmp), max_length)
-    own_ll = engine_loglikelihoods(docs, max_length)
+    own_ll = engine_loglikelihoods(docs, max_length, weights)
     report = compare(served, perplexities(docs, own_ll), served_ll, own_ll, rtol)
     report.update(documents=len(docs), max_length=max_length)
     return report
@@ -152,17 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=MAX_LENGTH,
                         help="lm-eval's max_length: longer documents are scored in several windows")
     parser.add_argument("--rtol", type=float, default=1e-3)
+    # fp32 by default: the quantized kernels are chosen per matmul by the number of rows, so their
+    # rounding depends on how requests are batched, and this checks the client, not the kernels.
+    parser.add_argument("--weights", default="fp32",
+                        help="--weights of the server it starts and of the in-process reference")
     args = parser.parse_args(argv)
     docs = documents(args.docs, args.max_chars)
     if args.base_url:
-        report = evaluate(args.base_url.rstrip("/"), args.model, docs, args.rtol, args.max_length)
+        report = evaluate(args.base_url.rstrip("/"), args.model, docs, args.rtol, args.max_length,
+                          args.weights)
     else:
         from engine_server import running_server
 
         with tempfile.TemporaryDirectory(prefix="confkv-eval-server-") as logs, \
-                running_server(Path(logs), "--max-cache-size", CACHE_SIZE,
+                running_server(Path(logs), "--max-cache-size", CACHE_SIZE, "--weights", args.weights,
                                "--grpc-socket", str(Path(logs) / "control.sock")) as srv:
-            report = evaluate(srv.url, args.model, docs, args.rtol, args.max_length)
+            report = evaluate(srv.url, args.model, docs, args.rtol, args.max_length, args.weights)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "eval_lm.json").write_text(json.dumps(report, indent=2) + "\n")
     for m in METRICS:

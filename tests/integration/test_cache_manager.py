@@ -47,7 +47,10 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _serve(workdir: Path, port: int | None = None) -> EngineServer:
     cfg = workdir / "confkv.json"
     engine = {"grpcSocket": str(workdir / "e.sock"), "cacheDir": str(workdir / "nvme")}
-    cfg.write_text(json.dumps({"engine": engine, "confkv": {"maxCacheSize": "64Mi"}}))
+    # fp32 weights: answers are compared with and without a hit, and the quantized kernels are chosen
+    # per row count (a hit leaves fewer prompt rows to compute, so their rounding would differ).
+    cfg.write_text(json.dumps({"model": {"weights": "fp32"}, "engine": engine,
+                               "confkv": {"maxCacheSize": "64Mi"}}))
     srv = EngineServer(workdir, "--config", str(cfg), **({"port": port} if port else {}))
     srv.wait_ready()
     return srv

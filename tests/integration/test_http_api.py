@@ -36,7 +36,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     # Prefill chunks of 32 and a 32-token recent window: the settings of bench/kv_quality.py, so
     # per-request retention can be compared with the benchmark's in-process values.
     (workdir / "confkv.json").write_text(json.dumps({"confkv": {"window": 32}}))
-    srv = EngineServer(workdir, "--max-batch-size", "1", "--max-waiting", "1", "--prefill-chunk", "32",
+    # fp32 weights: echo logprobs are compared with the in-process fp32 benchmark, and the quantized
+    # kernels are chosen per row count, so their rounding depends on how a prompt is chunked.
+    srv = EngineServer(workdir, "--weights", "fp32", "--max-batch-size", "1", "--max-waiting", "1",
+                       "--prefill-chunk", "32",
                        "--config", str(workdir / "confkv.json"),
                        "--grpc-socket", str(workdir / "control.sock"), api_key=API_KEY)
     try:

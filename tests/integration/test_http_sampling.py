@@ -24,7 +24,9 @@ NAMES = ("smol", "alias-a", "alias-b")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("engine-sampling")
-    with running_server(workdir, "--max-batch-size", "8", "--served-model-name", *NAMES,
+    # fp32 weights: choices are compared across batchings, and the quantized kernels are chosen per
+    # row count (their rounding depends on how many rows a step has).
+    with running_server(workdir, "--weights", "fp32", "--max-batch-size", "8", "--served-model-name", *NAMES,
                         "--grpc-socket", str(workdir / "control.sock")) as srv:
         yield srv
 
