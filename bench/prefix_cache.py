@@ -44,6 +44,7 @@ for extra in (HERE, HERE.parent / "engine", HERE.parent / "api"):
 import serving_peers as peers  # noqa: E402
 import torch  # noqa: E402
 import traces  # noqa: E402
+from report import write_report  # noqa: E402
 
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV  # noqa: E402
 
@@ -270,9 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     report["targets"] = targets(report)
     report["machine"]["load_average_at_end"] = os.getloadavg()
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

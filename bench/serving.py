@@ -58,6 +58,7 @@ from typing import Any
 
 import serving_peers as peers
 import torch
+from report import write_report
 
 HERE = Path(__file__).resolve().parent
 MODEL = "builtin:smollm2-135m"
@@ -379,9 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     report = bench.report()
     report["repeats_done"] = args.repeats
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 
