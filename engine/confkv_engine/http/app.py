@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -27,8 +27,6 @@ from confkv_engine.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
     error_body,
 )
 from confkv_engine.http.serving import GenerationFailed, OpenAIServing
@@ -140,7 +138,8 @@ def _tokenizer_router(state: ServedState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(_auth_dependency(state.config.engine.api_key))])
 
     @router.post("/tokenize")
-    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008 - FastAPI's idiom
+        req = tokenization.tokenize_request(body)
         return tokenization.tokenize(state.require_serving(req.model), req)
 
     @router.post("/detokenize")
