@@ -213,6 +213,12 @@ def test_tokenize_and_detokenize(server: EngineServer, client: openai.OpenAI) ->
     assert _post(server, "/detokenize", {"tokens": PROMPT_IDS}).json() == {"prompt": PROMPT}
     resp = _post(server, "/detokenize", {"tokens": [10**9]})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "tokens"
+    bad = (({}, "prompt"), ({"prompt": "x", "bogus": 1}, "bogus"), ({"messages": []}, "messages"))
+    for body, param in bad:
+        resp = _post(server, "/tokenize", body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"]
 
 
 def test_served_name_aliases(server: EngineServer, client: openai.OpenAI) -> None:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -39,8 +39,6 @@ from confkv_engine.http.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
     error_body,
 )
 from confkv_engine.http.serving import GenerationFailed, OpenAIServing
@@ -206,7 +204,8 @@ def _tokenizer_router(state: ServedState) -> APIRouter:
                        responses=_documented(400, 401, 404, 413, 500, 503))
 
     @router.post("/tokenize")
-    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008 - FastAPI's idiom
+        req = tokenization.tokenize_request(body)
         return tokenization.tokenize(state.require_serving(req.model), req)
 
     @router.post("/detokenize")

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
 from confkv_engine.core.sampling_params import InvalidRequest
 from confkv_engine.http.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from confkv_engine.http.serving import OpenAIServing
@@ -29,6 +32,16 @@ def _token_str(serving: OpenAIServing, token_id: int) -> str:
     backend = getattr(serving.tokenizer, "backend", None)
     raw = backend.id_to_token(token_id) if backend is not None else None
     return raw if raw is not None else serving.token_text(token_id)
+
+
+def tokenize_request(body: dict[str, Any]) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """The body as vLLM's chat form when it has ``messages``, else the completion form (so a bad
+    field is reported under its own name, not under both forms of a union)."""
+    form = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+    try:
+        return form.model_validate(body)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors()) from None
 
 
 def tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
