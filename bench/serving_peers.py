@@ -194,7 +194,9 @@ async def _closed_loop(url: str, model: str, reqs: Sequence[Req], concurrency: i
     for req in reqs:
         queue.put_nowait(req)
     result = RunResult(wall_s=0.0, output_tokens=0)
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # A fresh connection per request: llama-server drops idle keep-alive connections at times, and a
+    # request sent on one then fails; local connection set-up costs well under a millisecond.
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
