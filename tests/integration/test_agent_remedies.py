@@ -1,9 +1,10 @@
 """The agent's remedies end to end: ``confkv serve`` on the embedded model, ``confkv-agent`` remediating
 it over the Unix socket, short ``for`` durations and intervals, every wait bounded.
 
-(a) hitRate -> raiseLruK. Raising K from 2 to 3 does NOT help a typical chat + scan trace (LRU-3 keeps
-    one-off blocks out of the protected set no better than LRU-2 there, and loses recency). It helps
-    one pattern, which this trace is built around: shared system prompts reused every round, and
+(a) hitRate -> raiseLruK. Raising K from 2 to 3 does NOT help a typical chat + scan trace (measured
+    beforehand, LRU-3 is worse there: one-off scan blocks have one reference, which LRU-2 already
+    evicts first, and LRU-3 protects a shared prefix only from its third reference). It helps one
+    pattern, which this trace is built around: shared system prompts reused every round, and
     one-off long documents each sent exactly twice (a client retrying once). Under LRU-2 the retried
     document has two references, the more recent of them newer than a shared prefix's second-newest
     one, so it is kept and the shared prefixes are flushed; under LRU-3 the document (two references)
@@ -36,32 +37,19 @@ GetStatus); it is reported, not asserted (no wall-clock assertions).
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import engine_server
-import grpc
-import httpx
 import pytest
-from engine_server import MODEL, EngineServer, free_port
-
-from confkv_api.v1 import control_pb2 as pb
-from confkv_api.v1 import control_pb2_grpc as pb_grpc
+from remedy_processes import FOR, Agent, Engine, log, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
 BS = 16
-INTERVAL = "0.2"
-FOR = "500ms"
 NEAR_TIE = 1e-3
 # KV bytes of one block (K or V) of SmolLM2-135M in fp32, with the int32 position of every slot.
 BLOCK_BYTES = 30 * 3 * (64 * 4 + 4) * BS
@@ -70,134 +58,11 @@ BLOCK_BYTES = 30 * 3 * (64 * 4 + 4) * BS
 HOT, HOT_BLOCKS, DOC_BLOCKS, SPARE, ROUNDS = 3, 2, 4, 2, 3
 CACHE_ENTRIES = HOT * HOT_BLOCKS + DOC_BLOCKS + SPARE
 HIT_THRESHOLD = 0.5
-OFF = {"enabled": False, "threshold": 1}
-ALL_OFF = {"vram": OFF, "latencyMs": OFF, "hitRate": OFF, "oomPerHour": OFF}
-
-
-def log(message: str) -> None:
-    print(f"REMEDY {message}", flush=True)
-
-
-def wait_for(check: Callable[[], Any], what: str, deadline_s: float = 60.0,
-             tail: Callable[[], str] = str) -> Any:
-    return engine_server.wait_for(check, what, deadline_s, tail,
-                                  errors=(grpc.RpcError, httpx.TransportError))
-
-
-# ---- engine and agent processes --------------------------------------------------------------
-def write_config(path: Path, sock: Path, alerts: dict[str, Any], remediation: dict[str, Any],
-                 confkv: dict[str, Any], batch: int = 8) -> None:
-    path.write_text(json.dumps({"engine": {"grpcSocket": str(sock), "maxBatchSize": batch},
-                                "confkv": confkv, "alerts": {**ALL_OFF, **alerts},
-                                "remediation": remediation}))
-
-
-class Agent:
-    """One ``confkv-agent`` process (JSON logs, so its transition and remediation times can be read)."""
-
-    def __init__(self, workdir: Path, config: Path, name: str) -> None:
-        self.port = free_port()
-        self.log_path = workdir / f"agent-{name}.log"
-        script = Path(sys.executable).with_name("confkv-agent")
-        cmd = [str(script)] if script.exists() else [sys.executable, "-m", "confkv_agent.main"]
-        env = {k: v for k, v in os.environ.items() if k not in ("POD_NAME", "KUBECONFIG")}
-        args = ["--config", str(config), "--interval", INTERVAL, "--port", str(self.port),
-                "--log-format", "json"]
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen([*cmd, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def records(self) -> list[dict[str, Any]]:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return [json.loads(line) for line in lines if line.startswith("{")]
-
-    def time_of(self, message_start: str, **fields: Any) -> float | None:
-        """The time of the first log record whose message starts with ``message_start``."""
-        for rec in self.records():
-            if rec["message"].startswith(message_start) and all(rec.get(k) == v for k, v in fields.items()):
-                return dt.datetime.strptime(rec["time"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-                    tzinfo=dt.UTC).timestamp()
-        return None
-
-    def remediations(self, alert: str, action: str) -> float:
-        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5).text
-        key = f'confkv_agent_remediations_total{{action="{action}",alert="{alert}",result="applied"}}'
-        for line in text.splitlines():
-            if line.startswith(key):
-                return float(line.split()[-1])
-        return 0.0
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            assert self.proc.wait(timeout=30) == 0, self.tail()
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-
-    def report(self, alert: str, action: str, seen_at: float, rule_for: str = FOR) -> None:
-        """Log breach -> remedy: from the rule's first breached evaluation (its pending transition, or
-        firing for ``for: 0s``) to the applied remediation, and to the test seeing it in GetStatus."""
-        breach = self.time_of(f"alert {alert}: inactive ->")
-        applied = self.time_of(f"remediation {action}", alert=alert, result="applied")
-        assert breach is not None and applied is not None, self.tail()
-        log(f"{alert} -> {action}: breach -> applied {applied - breach:.3f}s, breach -> seen by the test "
-            f"{seen_at - breach:.3f}s (rule for {rule_for}, interval {INTERVAL}s)")
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("rem")  # short: a Unix socket path holds at most 107 bytes
-
-
-class Engine:
-    def __init__(self, workdir: Path, name: str, confkv: dict[str, Any], env: dict[str, str] | None = None,
-                 batch: int = 8) -> None:
-        self.sock = workdir / f"{name}.sock"
-        self.config = workdir / f"{name}.json"
-        self.confkv, self.batch = confkv, batch
-        self.prompt_tokens_answered = 0  # prompt tokens of the requests answered so far
-        self._lock = threading.Lock()
-        write_config(self.config, self.sock, {}, {"enabled": False}, confkv, batch)
-        self.server = EngineServer(workdir, "--config", str(self.config), env=env)
-        self.server.wait_ready()
-        self.channel = grpc.insecure_channel(f"unix://{self.sock}")
-        self.stub = pb_grpc.EngineControlStub(self.channel)
-        wait_for(self.status, "GetStatus", tail=self.server.log_tail)
-
-    def status(self) -> pb.EngineStatus:
-        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=5)
-
-    def settled_status(self) -> pb.EngineStatus:
-        """GetStatus once its snapshot includes every answered request: the engine refreshes the
-        snapshot right after the step that answered, so a read just after an answer may miss it."""
-        return wait_for(lambda: (s := self.status()).prompt_tokens_total >= self.prompt_tokens_answered
-                        and s, "a stats snapshot with every answered request")
-
-    def policy(self) -> dict[str, Any]:
-        return json.loads(self.status().policy_json)
-
-    def agent_config(self, path: Path, alerts: dict[str, Any], remediation: dict[str, Any]) -> Path:
-        write_config(path, self.sock, alerts, remediation, self.confkv, self.batch)
-        return path
-
-    def complete(self, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                "temperature": 0, "ignore_eos": True}
-        if logprobs is not None:
-            body["logprobs"] = logprobs
-        r = httpx.post(f"{self.server.url}/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        with self._lock:
-            self.prompt_tokens_answered += len(prompt)
-        return r.json()["choices"][0]
-
-    def close(self) -> None:
-        self.channel.close()
-        self.server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -293,8 +158,7 @@ def test_hit_rate_breach_raises_lru_k_and_the_hit_rate_recovers(small_cache: Eng
                                  remediation)
     agent = Agent(workdir, config, "a")
     try:
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{agent.port}/health", timeout=2).json()["engine"]
-                 == "up", "agent up", tail=agent.tail)
+        agent.wait_up()
         segment = trace_segment()
         warm = replay(engine, segment)
         before = replay(engine, segment)
@@ -373,6 +237,29 @@ OOM_PROMPTS = [[9000 + 50 * i + j for j in range(5 + i)] for i in range(6)]
 OOM_NEW = 12
 
 
+def keep_requests_in_flight(engine: Engine, agent: Agent,
+                            threshold: int) -> tuple[list[tuple[int, InFlight]], float, float]:
+    """Keep four requests in flight until the agent has compressed; returns them (prompt index,
+    request) and when the test saw the OOM count pass ``threshold`` and the batch halved."""
+    flights: list[tuple[int, InFlight]] = []
+    breach_seen = halved_seen = None
+    deadline = time.monotonic() + 150
+    while agent.remediations("oomPerHour", "compress") < 1:
+        assert time.monotonic() < deadline, f"no compress after the OOMs\n{agent.tail()}"
+        if sum(f.finished_at is None for _, f in flights) < 4:
+            i = len(flights) % len(OOM_PROMPTS)
+            flights.append((i, InFlight(engine, OOM_PROMPTS[i], OOM_NEW)))
+        status = engine.status()
+        if breach_seen is None and status.oom_total > threshold:
+            breach_seen = time.time()
+        if halved_seen is None and json.loads(status.policy_json)["engine"]["maxBatchSize"] == 4:
+            halved_seen = time.time()
+            assert_was_in_flight([f for _, f in flights], halved_seen, "halveBatchSize")
+        time.sleep(0.05)
+    assert breach_seen is not None and halved_seen is not None, agent.tail()
+    return flights, breach_seen, halved_seen
+
+
 def test_injected_ooms_halve_the_batch_then_compress(small_cache: Engine, workdir: Path) -> None:
     references = [small_cache.complete(p, OOM_NEW, logprobs=2) for p in OOM_PROMPTS]
     engine = Engine(workdir, "c", {"maxCacheSize": "64Mi"}, env={"CONFKV_FAULT_OOM_EVERY": str(OOM_EVERY)})
@@ -383,24 +270,8 @@ def test_injected_ooms_halve_the_batch_then_compress(small_cache: Engine, workdi
         config = engine.agent_config(workdir / "agent-c.json", {"oomPerHour": rule},
                                      {"cooldown": "1s", "allowedActions": ["halveBatchSize", "compress"]})
         agent = Agent(workdir, config, "c")
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{agent.port}/health", timeout=2).json()["engine"]
-                 == "up", "agent up", tail=agent.tail)
-        flights: list[tuple[int, InFlight]] = []
-        breach_seen = halved_seen = None
-        deadline = time.monotonic() + 150
-        while agent.remediations("oomPerHour", "compress") < 1:
-            assert time.monotonic() < deadline, f"no compress after the OOMs\n{agent.tail()}"
-            if sum(f.finished_at is None for _, f in flights) < 4:
-                i = len(flights) % len(OOM_PROMPTS)
-                flights.append((i, InFlight(engine, OOM_PROMPTS[i], OOM_NEW)))
-            status = engine.status()
-            if breach_seen is None and status.oom_total > rule["threshold"]:
-                breach_seen = time.time()
-            if halved_seen is None and json.loads(status.policy_json)["engine"]["maxBatchSize"] == 4:
-                halved_seen = time.time()
-                assert_was_in_flight([f for _, f in flights], halved_seen, "halveBatchSize")
-            time.sleep(0.05)
-        assert breach_seen is not None and halved_seen is not None
+        agent.wait_up()
+        flights, breach_seen, halved_seen = keep_requests_in_flight(engine, agent, rule["threshold"])
         for i, flight in flights:
             assert_same_greedy(flight.join(), references[i], f"OOM prompt {i}")
         status = engine.status()
