@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def next_tick(due: float, now: float, interval: float) -> float:
+    """When the tick after the one that was ``due`` starts: ticks keep a fixed rate (a rule's ``for``
+    plus one interval bounds breach -> remedy, whatever a tick costs); after an overrun the next
+    tick starts at once and the rate restarts from there (missed ticks are not made up)."""
+    due += interval
+    return due if due > now else now
+
+
 def _configure_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -132,12 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if args.stdin_lifeline:
         _watch_lifeline(stop)
+    due = time.monotonic()
     while not stop.is_set():
         try:
             agent.tick(time.time())
         except Exception:  # a bug in one tick must not take the sidecar down; it is logged in full
             log.exception("agent tick failed")
-        stop.wait(interval)
+        due = next_tick(due, time.monotonic(), interval)
+        stop.wait(max(0.0, due - time.monotonic()))
     http.shutdown()
     client.close()
     log.info("confkv-agent stopped")

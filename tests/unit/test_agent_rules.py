@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from confkv_agent.main import next_tick
 from confkv_agent.rules import (
     AlertEvaluator,
     AlertState,
@@ -212,3 +213,8 @@ def test_prometheus_quantile_edges() -> None:
     assert quantile(0.25, (1.0, inf), (4, 4)) == pytest.approx(0.25)  # the first bucket starts at 0
     with pytest.raises(ValueError):
         quantile(0.95, (1.0, 2.0), (1, 2))
+
+
+def test_ticks_keep_a_fixed_rate_and_never_catch_up_after_an_overrun() -> None:
+    assert next_tick(10.0, 10.05, 0.2) == pytest.approx(10.2)  # a 50 ms tick does not delay the next
+    assert next_tick(10.0, 10.5, 0.2) == 10.5  # overran by 0.3 s: the next tick starts now, no burst

@@ -14,7 +14,8 @@ progressed are returned.
 
 CUDA out-of-memory during a step is caught and counted; the step's sequences lose their cache
 and are requeued for recompute, and a sequence hit ``MAX_OOM_RETRIES`` times finishes with
-finish_reason 'error'.
+finish_reason 'error'. Tests drive that path on a CPU with ``core.faults`` (off unless the
+environment variable ``CONFKV_FAULT_OOM_EVERY`` is set; no config key can switch it on).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from confkv_engine.core.control_api import (
     EngineStats,
     PolicyRejected,
 )
+from confkv_engine.core.faults import OomFault
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
@@ -112,6 +114,7 @@ class LLMEngine:
         self.num_finished = 0
         self.compression = config.confkv.compression  # live: see apply_policy
         self._compressor: CompressionWorker | None = None
+        self._oom_fault = OomFault.from_env()  # off unless CONFKV_FAULT_OOM_EVERY is set
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -180,6 +183,7 @@ class LLMEngine:
             if not sched.scheduled:
                 return outputs
             try:
+                self._oom_fault.before_model()
                 results = self._run(sched.scheduled)
             except torch.OutOfMemoryError:
                 return outputs + self._recover_from_oom(sched.scheduled)
