@@ -41,7 +41,10 @@ def wait_for(check: Callable[[], Any], what: str, deadline_s: float = 60.0,
 
 def write_config(path: Path, sock: Path, alerts: dict[str, Any], remediation: dict[str, Any],
                  confkv: dict[str, Any], batch: int = 8) -> None:
-    path.write_text(json.dumps({"engine": {"grpcSocket": str(sock), "maxBatchSize": batch},
+    # fp32 weights: the cache's block bytes (hence maxCacheSize in blocks) and the greedy references
+    # stay those of the fp32 model whatever the CPU's kernels are.
+    path.write_text(json.dumps({"model": {"weights": "fp32"},
+                                "engine": {"grpcSocket": str(sock), "maxBatchSize": batch},
                                 "confkv": confkv, "alerts": {**ALL_OFF, **alerts},
                                 "remediation": remediation}))
 
