@@ -43,12 +43,17 @@ sys.path.insert(0, str(ROOT))  # tests.drivers (the offline runner)
 for sub in ("api", "engine"):
     sys.path.insert(0, str(ROOT / sub))
 
+from confkv_api.config import ConfKVSection  # noqa: E402
+from confkv_engine.retention.manager import H2O_DECAY  # noqa: E402
 from confkv_engine.retention.policies import RetentionConfig  # noqa: E402
 from confkv_engine.retention.scorer import ScorerConfig  # noqa: E402
 from confkv_engine.retention.tiers import TierConfig  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-CHUNK = 32
+# The serving defaults, so that the table describes what a served request does: retained sequences
+# prefill (and the policy acts) one decision interval at a time, the minimal window is that interval.
+SERVED = ConfKVSection()
+CHUNK = SERVED.decision_interval
 POLICIES = ("streaming", "h2o", "conf-kv", "conf-kv-discard")
 ABLATIONS = ("combined", "sampling")  # conf-kv scoring modes besides the default 'attention'
 
@@ -78,7 +83,7 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale,
                               pool=args.pool if policy.startswith("conf-kv") else 1)
-    tiers = TierConfig(high=args.high, medium=args.medium, sinks=4, window=args.window,
+    tiers = TierConfig(high=args.high, medium=args.medium, sinks=SERVED.sinks, window=args.window,
                        window_fraction=args.window_fraction, key_share=args.key_share,
                        granularity=args.granularity if policy.startswith("conf-kv") else "head")
     return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f)
@@ -227,12 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", help="comma-separated config names to run (default: all)")
     ap.add_argument("--no-ablations", action="store_true", help="skip attention-/sampling-only scoring")
     ap.add_argument("--compress", help="comma-separated bits (8,4): full cache with compressed blocks")
-    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--window", type=int, default=SERVED.window or CHUNK)
     ap.add_argument("--window-fraction", type=float, default=TierConfig.window_fraction)
-    ap.add_argument("--high", type=float, default=0.9)
-    ap.add_argument("--medium", type=float, default=0.7)
+    ap.add_argument("--high", type=float, default=SERVED.confidence_thresholds.high)
+    ap.add_argument("--medium", type=float, default=SERVED.confidence_thresholds.medium)
     ap.add_argument("--score-mode", default=ScorerConfig.mode)
-    ap.add_argument("--h2o-decay", type=float, default=0.999, help="H2O's own best decay (tuning set)")
+    ap.add_argument("--h2o-decay", type=float, default=H2O_DECAY, help="H2O's own best decay (tuning set)")
     ap.add_argument("--key-share", type=float, default=None, help="KEY_ONLY share under the budget")
     ap.add_argument("--sampling-weight", type=float, default=ScorerConfig.sampling_weight)
     ap.add_argument("--decay", type=float, default=ScorerConfig.decay)
