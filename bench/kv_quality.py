@@ -16,10 +16,11 @@ perplexity increase against measured bytes is written next to the JSON.
 logprobs, prefill chunk 32); ``--runner offline`` uses ``retention.offline.run_sequence`` on the
 same cache and backend without the scheduler (a cross-check; numbers must agree).
 
-``--compress 8,4`` adds rows ``full+int8`` / ``full+int4``: the full cache with every block outside
-the recent window (all but the last 2 blocks) quantized after every step (``LLMEngine.compress``,
-forced, default groupSize), against the same policy uncompressed (the ``full`` row); their KiB
-columns are the sequence's real bytes, compressed blocks at their encoded size.
+``--compress 8,4,2`` adds rows ``full+int8`` / ``full+int4`` / ``full+int2``: the full cache with every
+block outside the recent window (all but the last 2 blocks, KIVI-style) quantized after every step
+(``LLMEngine.compress``, forced, default groupSize; int2 through the same pass directly), against
+the same policy uncompressed (the ``full`` row); their KiB columns are the sequence's real bytes,
+compressed blocks at their encoded size.
 
     python bench/kv_quality.py --quick --policies full --compress 8,4
 """
@@ -43,12 +44,17 @@ sys.path.insert(0, str(ROOT))  # tests.drivers (the offline runner)
 for sub in ("api", "engine"):
     sys.path.insert(0, str(ROOT / sub))
 
+from confkv_api.config import ConfKVSection  # noqa: E402
+from confkv_engine.retention.manager import H2O_DECAY  # noqa: E402
 from confkv_engine.retention.policies import RetentionConfig  # noqa: E402
 from confkv_engine.retention.scorer import ScorerConfig  # noqa: E402
 from confkv_engine.retention.tiers import TierConfig  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-CHUNK = 32
+# The serving defaults, so that the table describes what a served request does: retained sequences
+# prefill (and the policy acts) one decision interval at a time, the minimal window is that interval.
+SERVED = ConfKVSection()
+CHUNK = SERVED.decision_interval
 POLICIES = ("streaming", "h2o", "conf-kv", "conf-kv-discard")
 ABLATIONS = ("combined", "sampling")  # conf-kv scoring modes besides the default 'attention'
 
@@ -78,7 +84,7 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale,
                               pool=args.pool if policy.startswith("conf-kv") else 1)
-    tiers = TierConfig(high=args.high, medium=args.medium, sinks=4, window=args.window,
+    tiers = TierConfig(high=args.high, medium=args.medium, sinks=SERVED.sinks, window=args.window,
                        window_fraction=args.window_fraction, key_share=args.key_share,
                        granularity=args.granularity if policy.startswith("conf-kv") else "head")
     return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f)
@@ -133,7 +139,7 @@ class EngineRunner:
                 if out.request_id == rid and out.finished:
                     final = out
             if compress_bits is not None:  # everything outside the recent window, every step
-                engine.compress(compress_bits, force=True)
+                compress_all(engine, compress_bits)
             seq = next((s for s in engine.scheduler.running if s.request_id == rid), None)
             if seq is not None and compress_bits is not None:
                 samples.append(engine.cache.seq_bytes(seq.kv))
@@ -142,6 +148,20 @@ class EngineRunner:
         lps = [e.logprob for e in final.prompt_logprobs[1:]]
         return {"logprobs": torch.tensor(lps), "peak": final.kv_usage.peak_kv_bytes,
                 "mean": sum(samples) / max(len(samples), 1), "usage": final.kv_usage}
+
+
+def compress_all(engine, bits: int) -> None:
+    """Every block outside the recent window at ``bits``. int2 is a benchmark-only peer (KIVI's
+    lowest setting): the engine's API accepts 8 and 4, so 2 calls the compression pass directly."""
+    if bits in (8, 4):
+        engine.compress(bits, force=True)
+        return
+    from confkv_engine.core.compression import compress_blocks
+
+    cfg = engine.compression
+    with torch.inference_mode():
+        compress_blocks(engine.cache, list(engine.scheduler.running), bits, cfg.group_size,
+                        cfg.cold_after_seconds, True, limit=engine.cache.pool.num_blocks * 2)
 
 
 def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tune: bool, runner: str) -> str:
@@ -226,13 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budgets", help="comma-separated fractions (overrides the default set)")
     ap.add_argument("--policies", help="comma-separated config names to run (default: all)")
     ap.add_argument("--no-ablations", action="store_true", help="skip attention-/sampling-only scoring")
-    ap.add_argument("--compress", help="comma-separated bits (8,4): full cache with compressed blocks")
-    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--compress", help="comma-separated bits (8,4,2): full cache with compressed blocks")
+    ap.add_argument("--window", type=int, default=SERVED.window or CHUNK)
     ap.add_argument("--window-fraction", type=float, default=TierConfig.window_fraction)
-    ap.add_argument("--high", type=float, default=0.9)
-    ap.add_argument("--medium", type=float, default=0.7)
+    ap.add_argument("--high", type=float, default=SERVED.confidence_thresholds.high)
+    ap.add_argument("--medium", type=float, default=SERVED.confidence_thresholds.medium)
     ap.add_argument("--score-mode", default=ScorerConfig.mode)
-    ap.add_argument("--h2o-decay", type=float, default=0.999, help="H2O's own best decay (tuning set)")
+    ap.add_argument("--h2o-decay", type=float, default=H2O_DECAY, help="H2O's own best decay (tuning set)")
     ap.add_argument("--key-share", type=float, default=None, help="KEY_ONLY share under the budget")
     ap.add_argument("--sampling-weight", type=float, default=ScorerConfig.sampling_weight)
     ap.add_argument("--decay", type=float, default=ScorerConfig.decay)

@@ -199,12 +199,19 @@ class CompressionSection(_Model):
 
 
 class ConfKVSection(_Model):
-    """Cache policy; every field is applied live (no restart)."""
+    """Cache policy; every field but ``decisionInterval`` is applied live (no restart)."""
 
     kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] = "full"
     confidence_thresholds: ConfidenceThresholds = ConfidenceThresholds()
     sinks: int = Field(default=4, ge=0, le=1024)
-    window: int = Field(default=512, ge=16, le=MAX_TOKENS)
+    # The minimal always-FULL recent window; None: one decision interval (the smallest the engine
+    # can run). Under a budget the window grows to a share of it (see docs/retention.md).
+    window: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
+    # Sequences under a retention policy prefill in chunks of at most this many tokens (rounded up to
+    # whole blocks, capped by engine.prefillChunk) and the policy acts after each: the budget then holds
+    # within one such chunk. 32 is what bench/kv_quality.py measures; larger trades budget precision
+    # (and quality) for prefill speed. Fixed at start (not live).
+    decision_interval: int = Field(default=32, ge=1, le=MAX_TOKENS)
     budget: float | None = Field(default=None, gt=0.0, le=1.0)
     budget_tokens: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     budget_mode: Literal["always", "pressure"] = "always"

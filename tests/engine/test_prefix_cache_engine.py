@@ -198,9 +198,9 @@ def prefix_blocks(eng: LLMEngine, system: list[int]) -> tuple[list[int], dict[st
     return ids, {"kv": eng.cache.kv[:, ids].clone(), "pos": eng.cache.pos[:, k_slots].clone()}
 
 
-# Requests default to the full cache; a per-request kv_policy also needs a default budget: the engine
-# checks the policy change before it applies the request's kv_budget.
-RETAINABLE = {"window": 32, "budget": 0.25}
+# Requests default to the full cache (no server budget: one would make conf-kv the default); the
+# retained ones bring their policy and budget.
+RETAINABLE = {"window": 32}
 
 
 @pytest.mark.parametrize("policy", ["conf-kv", "h2o"])

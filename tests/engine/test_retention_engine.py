@@ -100,6 +100,9 @@ class GreedyAdmission:
     def chunk_alignment(self, seq) -> int:
         return self.inner.chunk_alignment(seq)
 
+    def chunk_limit(self, seq) -> int | None:
+        return self.inner.chunk_limit(seq)
+
 
 def _greedy(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams):
     return eng.generate(prompts, params)

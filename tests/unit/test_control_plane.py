@@ -198,7 +198,8 @@ def test_retention_settings_are_live_in_a_real_engine(tmp_path: Path) -> None:
 
     _, model_dir = make_tiny_hf_model("llama", tmp_path / "tiny")
     config = load_config({"engine": {"grpcSocket": str(tmp_path / "r.sock"), "prefillChunk": 64},
-                          "confkv": {"kvPolicy": "conf-kv", "window": 64, "maxCacheSize": "4Mi"}})
+                          "confkv": {"kvPolicy": "conf-kv", "window": 64, "decisionInterval": 64,
+                                     "maxCacheSize": "4Mi"}})
     engine = LLMEngine(load_model(str(model_dir), dtype=torch.float32, device="cpu"), config)
     cp = ControlPlane(config)
     cp.attach(engine, engine.stats, None, "cpu", "tiny")

@@ -49,8 +49,9 @@ from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
 from confkv_engine.core.sequence import SeqStatus, Sequence
-from confkv_engine.retention.manager import RetentionManager, config_from_section
+from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
 from confkv_engine.retention.policies import RetentionConfig
+from confkv_engine.retention.runtime import decision_interval
 
 MAX_OOM_RETRIES = 3
 
@@ -96,8 +97,11 @@ class LLMEngine:
             self.disk = DiskTier(eng.cache_dir)
             self.cache.sink = self.disk
         # Token-level retention (conf-kv and its peers); ``retention`` overrides the confkv section.
+        # Retained sequences prefill in chunks of at most confkv.decisionInterval tokens.
+        chunk = retained_chunk(config.confkv, eng.prefill_chunk)
+        interval = decision_interval(spec.block_size, chunk)
         self.retention = RetentionManager(self.cache, args.num_heads,
-                                          retention or config_from_section(config.confkv), eng.prefill_chunk)
+                                          retention or config_from_section(config.confkv, interval), chunk)
         self.backend = RetentionAttention(self.cache, args.num_heads)
         # Admission reserves a binding budget, not the full length, and chunks of retained sequences
         # never cross a decision point, so replays are exact.
@@ -397,7 +401,8 @@ class LLMEngine:
         retention = None
         if any(p.startswith(RETENTION_FIELDS) for p in changed):
             try:
-                retention = config_from_section(confkv, self.retention.defaults.scorer)
+                retention = config_from_section(confkv, self.retention.interval,
+                                                self.retention.defaults.scorer)
                 self.retention.check(retention)
             except ValueError as err:
                 raise PolicyRejected(f"invalid policy: {err}") from None

@@ -45,6 +45,10 @@ class AdmissionPolicy(Protocol):
         """Prefill chunks of the sequence end at multiples of this (unless they finish its tokens)."""
         ...
 
+    def chunk_limit(self, seq: Sequence) -> int | None:
+        """Most tokens one prefill chunk of the sequence may hold (None: the engine's prefill chunk)."""
+        ...
+
 
 @dataclass
 class SchedulerOutput:
@@ -101,7 +105,7 @@ class Scheduler:
         """Tokens to run for ``seq`` this step, from ``start`` (default: what it has computed)."""
         start = seq.num_computed if start is None else start
         remaining = seq.num_tokens - start
-        n = min(remaining, self.prefill_chunk, budget)
+        n = min(remaining, self.prefill_chunk, budget, self.admission.chunk_limit(seq) or remaining)
         align = self.admission.chunk_alignment(seq) if self.aligned else 1
         if 0 < n < remaining and align > 1:
             end = start + n

@@ -26,7 +26,9 @@ def usage(outs: RequestOutput | Sequence[RequestOutput]) -> dict[str, Any]:
 
     With several choices (``n``, ``best_of``) the prompt is counted once, completion tokens and the
     KV fields are summed over the choices, and ``prompt_tokens_details.cached_tokens`` is the
-    first choice's (the prompt is the same for all).
+    first choice's (the prompt is the same for all). ``effective_kv_budget`` (the largest over the
+    choices; null without a budget) is what the budget allowed as a fraction of the full cache: above
+    the requested ``kv_budget`` when the floor of sinks + the minimal recent window binds.
     """
     outs = [outs] if isinstance(outs, RequestOutput) else list(outs)
     prompt = len(outs[0].prompt_token_ids)
@@ -40,7 +42,13 @@ def usage(outs: RequestOutput | Sequence[RequestOutput]) -> dict[str, Any]:
         "kv_tokens_full": sum(o.kv_usage.tokens_full for o in outs),
         "kv_tokens_key_only": sum(o.kv_usage.tokens_key_only for o in outs),
         "kv_tokens_discarded": sum(o.kv_usage.tokens_discarded for o in outs),
+        "effective_kv_budget": _effective_budget(outs),
     }
+
+
+def _effective_budget(outs: list[RequestOutput]) -> float | None:
+    budgets = [o.kv_usage.effective_kv_budget for o in outs if o.kv_usage.effective_kv_budget is not None]
+    return max(budgets) if budgets else None
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -46,12 +46,26 @@ def _peer_scorer(cfg: RetentionConfig) -> RetentionConfig:
     return cfg
 
 
-def config_from_section(section: ConfKVSection,
+def _enforcing(policy: str, budget: float | None, budget_tokens: int | None) -> str:
+    """A budget needs a policy to enforce it: with the default ``full`` it is conf-kv's (a user who
+    passes only ``--kv-budget`` expects the cache to shrink, not the flag to be ignored)."""
+    return "conf-kv" if policy == "full" and (budget is not None or budget_tokens is not None) else policy
+
+
+def retained_chunk(section: ConfKVSection, prefill_chunk: int) -> int:
+    """The longest prefill chunk of a sequence under a retention policy (``decisionInterval``, capped
+    by the engine's chunk): pass it as the manager's ``prefill_chunk``."""
+    return min(prefill_chunk, section.decision_interval)
+
+
+def config_from_section(section: ConfKVSection, interval: int,
                         scorer_cfg: scorer.ScorerConfig | None = None) -> RetentionConfig:
+    """``interval``: the manager's decision interval, the minimal window when ``window`` is unset."""
     th = section.confidence_thresholds
+    window = section.window if section.window is not None else interval
     return _peer_scorer(RetentionConfig(
-        policy=section.kv_policy,
-        tiers=TierConfig(high=th.high, medium=th.medium, sinks=section.sinks, window=section.window),
+        policy=_enforcing(section.kv_policy, section.budget, section.budget_tokens),
+        tiers=TierConfig(high=th.high, medium=th.medium, sinks=section.sinks, window=window),
         scorer=scorer_cfg or scorer.ScorerConfig(),
         budget=section.budget, budget_tokens=section.budget_tokens, budget_mode=section.budget_mode))
 
@@ -108,6 +122,8 @@ class RetentionManager:
             changes["policy"] = kv_policy
         if kv_budget is not None:
             changes.update(budget=kv_budget, budget_tokens=None)
+            if kv_policy is None:  # a request budget on a full-cache server: conf-kv enforces it
+                changes["policy"] = _enforcing(self.defaults.policy, kv_budget, None)
         cfg = replace(self.defaults, **changes) if changes else self.defaults
         return _peer_scorer(cfg) if kv_policy is not None else cfg
 
@@ -141,6 +157,12 @@ class RetentionManager:
         full = seq.retention is None or seq.retention.policy == "full"
         return self.cache.spec.block_size if full else self.interval
 
+    def chunk_limit(self, seq: RetainedRequest) -> int | None:
+        """Requests under a retention policy prefill one decision interval at a time, so the policy
+        acts after every ``interval`` tokens and the budget holds within one chunk."""
+        full = seq.retention is None or seq.retention.policy == "full"
+        return None if full else self.interval
+
     def new_state(self, cfg: RetentionConfig, shared_slots: int = 0,
                   protect: int = 0) -> RetentionState | None:
         """A fresh state. ``shared_slots``: the sequence's first slots, shared through the prefix cache
@@ -167,7 +189,8 @@ class RetentionManager:
             return KVUsage(peak_kv_bytes=seq.peak_kv_bytes, tokens_full=seq.num_computed)
         full, key_only, discarded = state.tier_counts(seq.num_computed)
         return KVUsage(peak_kv_bytes=max(seq.peak_kv_bytes, state.peak_bytes), tokens_full=full,
-                       tokens_key_only=key_only, tokens_discarded=discarded)
+                       tokens_key_only=key_only, tokens_discarded=discarded,
+                       effective_kv_budget=state.effective_budget(seq.num_computed))
 
     def wants_logits(self, state: RetentionState | None) -> bool:
         return (state is not None and state.cfg.policy.startswith("conf-kv")

@@ -174,6 +174,14 @@ class RetentionState:
         protected = min(length, cfg.tiers.sinks + cfg.tiers.window)
         return budget_target(self.acct, length, cfg.budget, cfg.budget_tokens, protected)
 
+    def effective_budget(self, length: int) -> float | None:
+        """What the budget allows at ``length`` (under pressure, if it waits for it) over the full
+        cache's bytes: the requested fraction unless the floor raised it; None without a budget."""
+        cfg = self.cfg
+        if (cfg.budget is None and cfg.budget_tokens is None) or length <= 0:
+            return None
+        return round(self.target_bytes(length, under_pressure=True) / self.acct.full_bytes(length), 4)
+
     def decide(self, length: int, under_pressure: bool = False) -> Tensor | None:
         """New tiers at a decision point, or None when nothing changes."""
         if self.cfg.policy == "full" or not is_decision_point(length, self.interval):

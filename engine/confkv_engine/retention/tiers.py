@@ -85,7 +85,8 @@ class TierConfig:
     high: float = 0.9
     medium: float = 0.7
     sinks: int = 4
-    window: int = 512
+    # The minimal recent window: the served default (one 32-token decision interval).
+    window: int = 32
     key_only: bool = True
     # The recent window grows to this fraction of the tokens the budget holds (0: fixed window;
     # 0.5 tuned on tokens [6144, 12288), see docs/retention.md).

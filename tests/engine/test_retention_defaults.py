@@ -1,0 +1,91 @@
+"""Served defaults honour the budget: an engine configured with nothing but ``budget`` (the default
+prefill chunk, window and policy) holds at most f x the full cache's bytes plus one decision chunk
+wherever that is above the floor (sinks + the minimal window), and reports the floor when it binds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv_api.config import ConfKVConfig
+from confkv_engine.core.engine import LLMEngine
+from confkv_engine.core.sampling_params import SamplingParams
+from confkv_engine.model.loader import load_model
+from tests.engine.tiny_models import make_tiny_hf_model
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    _, model_dir = make_tiny_hf_model("llama", tmp_path_factory.mktemp("tiny-defaults"))
+    return load_model(str(model_dir), dtype=torch.float32, device="cpu")
+
+
+def default_engine(loaded, **confkv) -> LLMEngine:
+    return LLMEngine(loaded, ConfKVConfig.model_validate({"confkv": {"maxCacheSize": "16Mi", **confkv}}))
+
+
+def prompt(n: int) -> list[int]:
+    return [(i * 31 + 3) % 250 for i in range(n)]
+
+
+def run_checking(eng: LLMEngine, tokens: list[int], f: float, params: SamplingParams):
+    """Steps ``eng`` to the end, checking the budget bound after every step; returns the output."""
+    eng.add_request("r", tokens, params)
+    interval, final = eng.retention.interval, None
+    while final is None:
+        for out in eng.step():
+            final = out if out.finished else None
+        for seq in eng.scheduler.running:
+            st = seq.policy_state
+            acct = st.acct
+            chunk = acct.held_bytes(interval, interval) - acct.fixed_bytes
+            floor = acct.held_bytes(4 + interval, 4 + interval)
+            budget = f * acct.full_bytes(seq.num_computed)
+            if budget >= floor:
+                assert st.peak_bytes <= budget + chunk, (seq.num_computed, st.peak_bytes, budget)
+    return final
+
+
+def test_default_engine_with_only_a_budget_holds_it(loaded) -> None:
+    eng = default_engine(loaded, budget=0.25)
+    assert eng.retention.defaults.policy == "conf-kv"  # a budget alone is enforced, not ignored
+    assert eng.retention.interval == 32 < eng.scheduler.prefill_chunk
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    final = run_checking(eng, prompt(490), 0.25, params)  # the tiny model holds 512 tokens
+    usage = final.kv_usage
+    full_bytes = eng.cache.blocks_for_tokens(490 + 7) * eng.cache.spec.block_bytes
+    assert usage.peak_kv_bytes <= 0.35 * full_bytes  # 0.25 plus one 32-token chunk of 497 tokens
+    assert usage.tokens_full + usage.tokens_key_only < 0.3 * 497
+    assert usage.effective_kv_budget == pytest.approx(0.25, abs=0.01)
+
+
+def test_per_request_budget_on_a_full_cache_engine(loaded) -> None:
+    eng = default_engine(loaded)
+    assert eng.retention.defaults.policy == "full"
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, kv_budget=0.25)
+    final = run_checking(eng, prompt(400), 0.25, params)
+    assert final.kv_usage.tokens_discarded > 0
+    assert final.kv_usage.effective_kv_budget == pytest.approx(0.25, abs=0.01)
+    opt_out = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = eng.generate([prompt(400)], opt_out)[0]
+    assert plain.kv_usage.tokens_discarded == 0 and plain.kv_usage.effective_kv_budget is None
+
+
+def test_floor_reported_when_it_makes_the_budget_unreachable(loaded) -> None:
+    eng = default_engine(loaded, budget=0.1)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    final = eng.generate([prompt(200)], params)[0]
+    # 0.1 x 200 tokens is below sinks + the 32-token minimal window: the floor is what it holds.
+    assert final.kv_usage.effective_kv_budget > 0.15
+    assert final.kv_usage.tokens_full + final.kv_usage.tokens_key_only >= 36
+
+
+def test_budget_in_tokens_scales_the_window(loaded) -> None:
+    eng = default_engine(loaded, budgetTokens=128)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    final = eng.generate([prompt(490)], params)[0]
+    kept = final.kv_usage.tokens_full + final.kv_usage.tokens_key_only
+    assert kept <= 128 + 32  # one decision chunk over the budget at most
+    assert final.kv_usage.effective_kv_budget == pytest.approx(128 / 491, abs=0.02)
