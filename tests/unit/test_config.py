@@ -87,3 +87,11 @@ def test_parse_duration() -> None:
     assert parse_duration("500ms") == pytest.approx(0.5)
     with pytest.raises(ValueError):
         parse_duration("5 minutes")
+
+
+def test_a_prefill_chunk_that_is_not_whole_blocks_is_refused() -> None:
+    # 40 tokens with 16-token blocks: chunks end on block boundaries under retention, so such a chunk
+    # could never be scheduled; refused with a message instead of a request that waits forever.
+    with pytest.raises(ConfigError, match="prefillChunk \\(40\\) must be a multiple of blockSize \\(16\\)"):
+        load_config({"engine": {"prefillChunk": 40}})
+    assert load_config({"engine": {"prefillChunk": 48}}).engine.prefill_chunk == 48

@@ -167,6 +167,24 @@ class Scheduler:
             limit = min(limit, seq.prefix_len // self.cache.spec.block_size)
         return self.cache.match(seq.token_slice(0, seq.num_tokens), limit)
 
+    def _sharing_soon(self, seq: Sequence, cached: int) -> bool:
+        """True when a running request is still prefilling full blocks of this one's prompt beyond
+        the ``cached`` tokens: admitting it after that request's step lets it share those blocks
+        (the choices of an ``n`` > 1 request, requests with one system prompt arriving together)."""
+        if self.cache.prefix is None or seq.wants_prompt_logprobs:
+            return False
+        bs, mine = self.cache.spec.block_size, seq.prompt_token_ids
+        limit = (len(mine) - 1) // bs * bs
+        for other in self.running:
+            if other.retention is not None or other.num_computed >= other.prompt_len:
+                continue  # retained requests register nothing while running; decoding ones are done
+            theirs = other.prompt_token_ids
+            common = next((i for i, (a, b) in enumerate(zip(mine[:limit], theirs, strict=False)) if a != b),
+                          min(limit, len(theirs)))
+            if common // bs * bs > cached:
+                return True
+        return False
+
     def _headroom(self, seq: Sequence) -> int | None:
         return self.admission.reserved_headroom(seq)
 
@@ -176,6 +194,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             hits = self._prefix_hits(seq)
+            if self._sharing_soon(seq, len(hits) * bs):
+                break  # next step its prefix is cached: share it instead of computing it again
             start = len(hits) * bs
             n = self.chunk_size(seq, budget, start)
             need = 2 * (-(-(start + n) // bs) - len(hits))
