@@ -62,7 +62,7 @@ from report import write_report
 
 HERE = Path(__file__).resolve().parent
 MODEL = "builtin:smollm2-135m"
-# llama.cpp server numbers the issue records (measured beforehand on these 2 cores, Q4_1 GGUF).
+# llama.cpp server numbers measured beforehand on these 2 cores (Q4_1 GGUF), kept for reference.
 LLAMA_REFERENCE = {"concurrency_32_tok_s": 228.0, "concurrency_1_tok_s": 107.0}
 Key = tuple[str, str, int]  # (peer, dtype, concurrency)
 SYSTEM_TOKENS = 768  # the shared system prompt of the shared-prefix workload
@@ -319,7 +319,7 @@ class Bench:
             "workload": workload,
             "results": rows, "ratios": ratios(rows, args), "checks": self.checks, "notes": self.notes,
             "ttft_512_prompt_s": getattr(self, "ttft512", {}),
-            "reference_llama_server_issue": LLAMA_REFERENCE,
+            "reference_llama_server_measured_before": LLAMA_REFERENCE,
             "per_repeat_tokens_per_s": {f"{p}|{d}|{c}": [r.tokens_per_s for r in self.runs[(p, d, c)]]
                                         for p, d, c in order},
         }
