@@ -130,3 +130,20 @@ def test_after_a_restart_the_prefix_comes_back_from_disk(workdir: Path) -> None:
         wait_for(lambda: _status(disk / "e.sock").prefix_hit_tokens > 0, "a hit served from disk")
     finally:
         second.stop()
+
+
+def test_start_up_warmup_is_cached_before_readiness(workdir: Path) -> None:
+    home = workdir / "warm"
+    home.mkdir()
+    prompt = "Warm prefixes are prefilled before the pod reports ready, so the first users hit them. " * 3
+    engine = {"grpcSocket": str(home / "e.sock")}
+    cfg = home / "confkv.json"
+    cfg.write_text(json.dumps({"model": {"weights": "fp32"}, "engine": engine,
+                               "confkv": {"warmup": {"prompts": [prompt]}}}))
+    srv = EngineServer(home, "--config", str(cfg))
+    try:
+        srv.wait_ready()  # readiness comes after the warm-up
+        first = _complete(srv, prompt + " Who benefits?")
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+    finally:
+        srv.stop()
