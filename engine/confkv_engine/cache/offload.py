@@ -31,20 +31,18 @@ QUEUE_LIMIT = 256  # spills waiting for the writer; beyond it new spills are dro
 
 @dataclass
 class DiskTierStats:
+    """What the tier itself did; the store's own figures (records, bytes, rebuilds) are ``store.stats()``."""
+
     spilled: int = 0
     dropped: int = 0
     loaded: int = 0
-    rebuild_skipped: int = 0
-    corrupt_reads: int = 0
-    records: int = 0
-    bytes_used: int = 0
 
 
 class DiskTier:
     def __init__(self, directory: str, capacity_bytes: int | None = None) -> None:
         capacity = capacity_bytes or capacity_from_volume(directory)
         self.store = DiskStore(directory, capacity)
-        self.stats = DiskTierStats(rebuild_skipped=self.store.stats().rebuild_skipped)
+        self.stats = DiskTierStats()
         self._queue: queue.Queue[tuple[CachedBlock, bytes, int] | None] = queue.Queue(QUEUE_LIMIT)
         self._writer = threading.Thread(target=self._write_loop, name="confkv-disk", daemon=True)
         self._writer.start()
@@ -102,15 +100,7 @@ class DiskTier:
         return self.store.hot_prefixes(n)
 
     def rebuild(self) -> RebuildReport:
-        report = self.store.rebuild()
-        self.stats.rebuild_skipped += report.skipped
-        return report
-
-    def refresh_stats(self) -> DiskTierStats:
-        s = self.store.stats()
-        self.stats.records, self.stats.bytes_used = s.records, s.bytes_used
-        self.stats.corrupt_reads = s.corrupt_reads
-        return self.stats
+        return self.store.rebuild()
 
     def close(self) -> None:
         self._queue.put(None)

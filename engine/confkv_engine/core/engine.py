@@ -465,9 +465,9 @@ class LLMEngine:
     def _disk_stats(self) -> dict[str, int]:
         if self.disk is None:
             return {}
-        s = self.disk.refresh_stats()
-        return {"disk_records": s.records, "disk_bytes": s.bytes_used, "disk_spilled": s.spilled,
-                "disk_loaded": s.loaded, "rebuild_records_skipped": s.rebuild_skipped}
+        store, tier = self.disk.store.stats(), self.disk.stats
+        return {"disk_records": store.records, "disk_bytes": store.bytes_used, "disk_spilled": tier.spilled,
+                "disk_loaded": tier.loaded, "rebuild_records_skipped": store.rebuild_skipped}
 
     # ---- compression (``core.compression``) -------------------------------------------------
     def compress(self, bits: int | None = None, force: bool = False) -> CompressResult:

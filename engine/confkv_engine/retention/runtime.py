@@ -15,9 +15,9 @@ Reads of those slots are replaced by the merged mean in the backend; writes neve
 tokens are appended at the end). So freeing a V block is just swapping its table entry for the
 null block, and the pool's own counts stay exact.
 
-Prefix-cache rule: a block whose reference count is above one is shared and immutable; the
-manager's ``after_step`` never acts on a sequence that holds one (``KVCache.shares_blocks``), so
-retention only ever rewrites a request's private blocks.
+Prefix-cache rule: a prefix shared through the prefix cache is the immutable region ``[0, base)``;
+retention decides and rewrites only the slots after it (``KVCache.rewrite`` refuses shared blocks),
+so it only ever changes a request's private blocks.
 """
 
 from __future__ import annotations
