@@ -196,6 +196,7 @@ def test_health_answers_while_a_10_mb_prompt_is_tokenized(server: EngineServer, 
     answers: list[httpx.Response] = []
     worker = threading.Thread(target=lambda: answers.append(post(server, route, body)))
     worst = _worst_health_while(server, worker)
+    print(f"{route}: worst /health {worst * 1000:.0f} ms while a {len(body)}-byte prompt was tokenized")
     assert_openai_error(answers[0], 400, "context_length_exceeded")
     print(f"\n/health worst {worst * 1000:.0f} ms while a 10 MB prompt was tokenized ({route})")
     assert worst < HEALTH_BOUND_S, f"/health took {worst:.2f}s while the prompt was tokenized"
@@ -206,6 +207,7 @@ def test_health_answers_while_a_body_over_the_limit_is_refused(server: EngineSer
     answers: list[httpx.Response] = []
     worker = threading.Thread(target=lambda: answers.append(post(server, "/v1/completions", big)))
     worst = _worst_health_while(server, worker)
+    print(f"worst /health {worst * 1000:.0f} ms while a {len(big)}-byte body was refused")
     assert_openai_error(answers[0], 413, "request_too_large")
     print(f"\n/health worst {worst * 1000:.0f} ms while a {2 * LIMIT} byte body was refused")
     assert worst < HEALTH_BOUND_S
