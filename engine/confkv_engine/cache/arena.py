@@ -32,6 +32,7 @@ from torch import Tensor
 
 from confkv_engine.cache.block_pool import BlockPool
 from confkv_engine.cache.codec import CodecSpec, decode_rows
+from confkv_engine.cache.layout import to_storage
 
 
 def block_codecs(block_size: int, num_kv_heads: int, head_dim: int, bits: int,
@@ -250,10 +251,14 @@ class CompressedStore:
         pool_ids = [b if b >= 0 else null_block for b in table]
         return GatherPlan(torch.tensor(pool_ids, dtype=torch.long, device=device), groups)
 
-    def gather(self, blocks: Tensor, layer: int, plan: GatherPlan) -> Tensor:
-        """``blocks`` = kv[layer] ([NB, bs, Hkv, D]) gathered through the plan, compressed rows decoded:
-        one index_select, then per arena one byte gather and one batched decode."""
+    def gather(self, blocks: Tensor, layer: int, plan: GatherPlan,
+               dtype: torch.dtype | None = None) -> Tensor:
+        """``blocks`` = kv[layer] ([NB, bs, Hkv, D]) gathered through the plan into ``dtype`` (default
+        the pool's), compressed rows decoded: one index_select, then per arena one byte gather and
+        one batched decode."""
         out = blocks.index_select(0, plan.table)
+        if dtype is not None and out.dtype != dtype:
+            out = out.to(dtype)
         for spec, rows, index in plan.groups:
             raw = self.bytes[layer].index_select(0, index).view(rows.numel(), spec.nbytes)
             out.index_copy_(0, rows, decode_rows(raw, spec, dtype=out.dtype))
@@ -264,4 +269,4 @@ class CompressedStore:
         h = self._handles[handle]
         index = h.arena.byte_index(torch.tensor([h.slot], device=self.bytes.device))
         raw = self.bytes[:, index]  # [L, slot_bytes]
-        return decode_rows(raw, h.arena.spec, dtype=self.dtype)
+        return to_storage(decode_rows(raw, h.arena.spec), self.dtype)

@@ -107,6 +107,8 @@ def compress_block(cache: KVCache, kind: str, block: int, holders: list[Holder],
     refs = len(holders) + (entry is not None)
     if block < 0 or block == cache.null_block or refs == 0 or cache.pool.ref_count(block) != refs:
         return 0
+    if spec.nbytes >= cache.store.host_bytes:  # e.g. int8 codes of an fp8 pool: nothing to gain
+        return 0
     first_pos = _consecutive_start(cache, block) if kind == "k" else None
     if kind == "k" and first_pos is None:
         return 0
