@@ -51,7 +51,9 @@ class KVCache(Protocol):
 
 
 def _specs(cache: KVCache, bits: int, group: int) -> tuple[CodecSpec, CodecSpec]:
-    return block_codecs(cache.spec.block_size, cache.spec.num_kv_heads, cache.spec.head_dim, bits, group)
+    spec = cache.spec
+    return block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, bits, group,
+                        cache.kv.element_size())
 
 
 def compress_cold_entries(cache: KVCache, bits: int, group: int, cold_after: float,
