@@ -39,7 +39,8 @@ value group is free up to ``D``.
   0.0018 / 0.030 / 0.147; the 1-byte alternatives are worse: a symmetric grid with an fp8 or
   log-coded scale 0.004 / 0.065 / 0.39, a 1-byte scale with a 4-bit zero point (the range must
   then contain 0) 0.0022 / 0.037 / 0.17. Splitting the 12 bits 5+7, 7+5 or 4+8, or one header per
-  layer instead of per head, is no better than 6+6 per head.
+  layer instead of per head, is no better than 6+6 per head; a Hadamard rotation of head_dim with
+  per-token groups (QuaRot style, no channel groups) has 4.6x dq6's attention KL at int4.
 
 Inputs must be finite and inside fp16's range (|x| <= 65504); anything else is refused with
 ``ValueError`` (keep that block uncompressed).
