@@ -198,8 +198,15 @@ class CompressionSection(_Model):
     cold_after_seconds: float = Field(default=30.0, ge=0.0, le=7 * 86_400.0)
 
 
+KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
+UNSUPPORTED_KV_CACHE_DTYPES = {
+    "int8": "kvCacheDtype 'int8' is not supported yet; use 'fp8' (1 byte per element, as vLLM's "
+            "fp8 cache) or 'bfloat16'",
+}
+
+
 class ConfKVSection(_Model):
-    """Cache policy; every field but ``decisionInterval`` is applied live (no restart)."""
+    """Cache policy; every field but ``decisionInterval`` and ``kvCacheDtype`` is applied live."""
 
     kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] = "full"
     confidence_thresholds: ConfidenceThresholds = ConfidenceThresholds()
@@ -220,6 +227,16 @@ class ConfKVSection(_Model):
     warmup: WarmupSection = WarmupSection()
     max_cache_size: str | None = None
     compression: CompressionSection = CompressionSection()
+    # Storage dtype of the whole KV pool, as vLLM's --kv-cache-dtype: auto = model.dtype; fp8 =
+    # float8 e4m3 with a scale of 1.0 (vLLM's default; |x| > 448 saturates). Read at start (not live).
+    kv_cache_dtype: KVCacheDtype = "auto"
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _supported_cache_dtype(cls, value: str) -> str:
+        if value in UNSUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(UNSUPPORTED_KV_CACHE_DTYPES[value])
+        return value
 
     @field_validator("max_cache_size")
     @classmethod

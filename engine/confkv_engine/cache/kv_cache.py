@@ -7,7 +7,8 @@ rewrite a sequence by a plan (``rewrite``), the scheduler asks it to reserve and
 Layout:
 
 - **One pool of blocks** (``BlockPool``). A block is ``block_size`` token slots for *one* of K or V,
-  over all layers: ``kv[L, num_blocks, block_size, Hkv, D]`` (model dtype). A sequence holds a K
+  over all layers: ``kv[L, num_blocks, block_size, Hkv, D]`` (the cache dtype: ``CacheSpec.dtype``,
+  ``kvCacheDtype``; writes cast to it, reads cast back to the compute dtype). A sequence holds a K
   block table and a separate V block table drawn from the same pool, so dropping a token's V
   (KEY_ONLY) returns whole V blocks that are then usable as K or V by anyone. Full-cache cost:
   2 blocks per ``block_size`` tokens.
@@ -52,6 +53,7 @@ from confkv_engine.cache.layout import (
     SeqKV,
     WritePlan,
     resolve_cache_bytes,
+    to_storage,
 )
 from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
 
@@ -75,7 +77,11 @@ class KVCache:
         besides the tokens (model, dtype), so two models never share an entry."""
         self.spec = spec
         self.pool = BlockPool(num_blocks)
-        salt = None if prefix_salt is None else prefix_salt + f"|{spec.dtype}|{spec.block_size}".encode()
+        # The stored bytes depend on the storage dtype and, when it differs, on the dtype K/V were
+        # computed in (a bf16 pool of an fp32 model holds other values than one of a bf16 model).
+        computed = "" if spec.compute_dtype == spec.dtype else f"|{spec.compute_dtype}"
+        layout = f"|{spec.dtype}{computed}|{spec.block_size}".encode()
+        salt = None if prefix_salt is None else prefix_salt + layout
         self.prefix = None if salt is None else PrefixIndex(salt)
         self.eviction = LRUK(eviction_k)
         self.hits = HitCounter()
@@ -380,6 +386,16 @@ class KVCache:
         self.pos[:, plan.k_index, :] = positions.to(dev, torch.int32)[None, :, None]
         return plan
 
+    def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor) -> None:
+        """Store a step's new keys and values [T, Hkv, D] (compute dtype) in layer ``layer``'s slots,
+        cast to the pool's dtype."""
+        flat = self.kv_flat[layer]
+        k, v = to_storage(k, flat.dtype), to_storage(v, flat.dtype)
+        if flat.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
+            flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        flat.index_copy_(0, plan.k_index, k)
+        flat.index_copy_(0, plan.v_index, v)
+
     def commit(self, seq: SeqKV, num_new: int) -> None:
         """Record that ``num_new`` tokens were appended (after the forward pass succeeded)."""
         seq.num_slots += num_new
@@ -404,9 +420,9 @@ class KVCache:
         return self.store.plan(table, self.null_block, self.kv.device)
 
     def gather(self, layer: int, plan: GatherPlan) -> Tensor:
-        """Layer ``layer`` of the planned blocks: [len(table), bs, Hkv, D] in the cache dtype, compressed
-        blocks dequantized (a fresh tensor: callers may write it)."""
-        return self.store.gather(self.kv[layer], layer, plan)
+        """Layer ``layer`` of the planned blocks: [len(table), bs, Hkv, D] in the compute dtype
+        (``spec.compute_dtype``), compressed blocks dequantized (a fresh tensor: callers may write it)."""
+        return self.store.gather(self.kv[layer], layer, plan, self.spec.compute_dtype)
 
     def read_table(self, table: list[int], layer: int, num_slots: int,
                    plan: GatherPlan | None = None) -> Tensor:

@@ -21,15 +21,52 @@ DEFAULT_CPU_CACHE_BYTES = 1 << 30
 CPU_AVAILABLE_CAP = 0.5
 CUDA_FREE_CAP = 0.9
 
+# ``confkv.kvCacheDtype`` -> the pool's storage dtype ("auto" is the model's dtype). fp8 is e4m3 with
+# a per-tensor scale of 1.0, vLLM's default: finite values up to 448, beyond it they saturate.
+CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "fp8": torch.float8_e4m3fn}
+STORAGE_DTYPES = tuple(CACHE_DTYPES.values())
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def resolve_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's storage dtype for a ``kvCacheDtype`` value (validated by the config already)."""
+    if name == "auto":
+        return model_dtype
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"kvCacheDtype {name!r} is not supported by this engine; "
+                         f"use auto or one of {', '.join(CACHE_DTYPES)}")
+    return CACHE_DTYPES[name]
+
+
+def to_storage(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` cast to the pool's dtype; fp8 saturates at +-448 on every device (a plain cast may give
+    nan on some), since keys and values beyond it are rare and a clipped one is still finite."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
 
 @dataclass(frozen=True)
 class CacheSpec:
+    """Block layout. ``dtype`` is what the pool stores K/V in (``kvCacheDtype``), ``compute_dtype``
+    what attention reads them as (the model's dtype; default: ``dtype``)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
     device: torch.device
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"the KV pool stores {', '.join(map(str, STORAGE_DTYPES))}, not {self.dtype}")
+        if self.compute_dtype is None:
+            object.__setattr__(self, "compute_dtype", self.dtype)
+        if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"attention computes in float32, bfloat16 or float16, not {self.compute_dtype}")
 
     @property
     def block_bytes(self) -> int:

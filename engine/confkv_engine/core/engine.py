@@ -31,6 +31,7 @@ from confkv_api.config import CompressionSection, ConfKVConfig, ConfKVSection, p
 from confkv_engine.attention.retention import RetentionAttention
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.kv_cache import CacheSpec, CompressResult, KVCache, resolve_cache_bytes
+from confkv_engine.cache.layout import resolve_cache_dtype
 from confkv_engine.cache.offload import DiskTier
 from confkv_engine.core import sampling
 from confkv_engine.core.compression import BLOCKS_PER_PASS, CompressionWorker, compress_blocks, encode_stream
@@ -82,11 +83,14 @@ class LLMEngine:
         self.eos_token_ids = tuple(getattr(loaded, "eos_token_ids", ()) or ())
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # The pool stores K/V at confkv.kvCacheDtype (auto: the model's dtype); attention reads them
+        # back in the model's dtype.
+        self.cache_dtype = resolve_cache_dtype(config.confkv.kv_cache_dtype, self.dtype)
         spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size,
-                         self.dtype, self.device)
+                         self.cache_dtype, self.device, compute_dtype=self.dtype)
         size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
         ev = config.confkv.eviction
-        # The salt names what changes the stored K/V besides the tokens (dtype is added by the cache).
+        # The salt names what changes the stored K/V besides the tokens (dtypes are added by the cache).
         salt = f"{getattr(loaded, 'name', '')}|{args}".encode()
         salt = salt if config.confkv.prefix_cache.enabled else None
         self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device), prefix_salt=salt,
