@@ -129,15 +129,19 @@ class CompressedStore:
 
     def __init__(self, kv: Tensor, pool: BlockPool) -> None:
         self.pool = pool
-        self.kv = kv
-        self.num_layers, num_blocks = kv.shape[0], kv.shape[1]
+        self.num_layers = kv.shape[0]
         self.host_bytes = kv[0, 0].numel() * kv.element_size()
-        self.bytes = kv.view(torch.uint8).view(self.num_layers, num_blocks * self.host_bytes)
         self.dtype = kv.dtype
+        self.rebind(kv)
         self.arenas: dict[CodecSpec, Arena] = {}
         self._handles: dict[int, _Handle] = {}
         self._refs: dict[int, int] = {}
         self._next = -1
+
+    def rebind(self, kv: Tensor) -> None:
+        """Read the pool through ``kv`` from now on (a grown pool: the same blocks at the same ids)."""
+        self.kv = kv
+        self.bytes = kv.view(torch.uint8).view(self.num_layers, kv.shape[1] * self.host_bytes)
 
     def __len__(self) -> int:
         return len(self._handles)

@@ -81,29 +81,49 @@ def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.
 
     bytes: as given, but never more than the device can hold. Fraction: of free device memory on
     CUDA (measured now, after the model was loaded); on CPU of total RAM. Unset: 90% of free memory
-    on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at 90% of free CUDA memory, or on
-    CPU at half the RAM available now (in a container: of what its memory cgroup still allows; the
-    model, activations and the OS need the rest): a size the machine cannot hold is logged and
-    capped rather than left to the OOM killer.
+    on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at ``machine_cap`` (90% of free
+    CUDA memory, or on CPU half the RAM available now, in a container of what its memory cgroup
+    still allows; the model, activations and the OS need the rest): a size the machine cannot hold
+    is logged and capped rather than left to the OOM killer.
     """
+    cap, what = machine_cap(device)
+    wanted = requested_cache_bytes(max_cache_size, device)
+    if wanted > cap:
+        log.warning("maxCacheSize asks for %d bytes, more than this machine can hold; the KV pool is "
+                    "capped at %d bytes (%s)", wanted, cap, what)
+        return cap
+    return wanted
+
+
+def requested_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.device,
+                          pool_bytes: int = 0) -> int:
+    """The bytes a parsed ``maxCacheSize`` asks for, uncapped. ``pool_bytes``: what a pool allocated
+    already occupies (a live change), counted back into the free CUDA memory a fraction is of, so a
+    fraction means the same live as at start-up."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        cap = int(CUDA_FREE_CAP * free)
+        free = torch.cuda.mem_get_info(device)[0] + pool_bytes
         if max_cache_size is None:
-            return cap
+            return int(CUDA_FREE_CAP * free)
         kind, value = max_cache_size
-        wanted = value if kind == "bytes" else value * free
-        return _capped(wanted, cap, f"{CUDA_FREE_CAP:.0%} of the free CUDA memory")
+        return int(value if kind == "bytes" else value * free)
     if max_cache_size is None:
         return DEFAULT_CPU_CACHE_BYTES
     import psutil
 
-    mem = psutil.virtual_memory()
     kind, value = max_cache_size
-    wanted = value if kind == "bytes" else value * mem.total
-    available = min(mem.available, _cgroup_headroom() or mem.available)
-    return _capped(wanted, int(CPU_AVAILABLE_CAP * available),
-                   f"{CPU_AVAILABLE_CAP:.0%} of the available RAM")
+    return int(value if kind == "bytes" else value * psutil.virtual_memory().total)
+
+
+def machine_cap(device: torch.device) -> tuple[int, str]:
+    """The most bytes a pool allocated now may take, and how that was decided (for messages)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(CUDA_FREE_CAP * free), f"{CUDA_FREE_CAP:.0%} of the free CUDA memory"
+    import psutil
+
+    available = psutil.virtual_memory().available
+    available = min(available, _cgroup_headroom() or available)
+    return int(CPU_AVAILABLE_CAP * available), f"{CPU_AVAILABLE_CAP:.0%} of the available RAM"
 
 
 # (limit, usage) files of the memory cgroup, v2 then v1: in a container psutil sees the node's RAM,
@@ -125,14 +145,6 @@ def _cgroup_headroom() -> int | None:
             return None
         return max(0, int(limit_text) - used)
     return None
-
-
-def _capped(wanted: float, cap: int, what: str) -> int:
-    if wanted > cap:
-        log.warning("maxCacheSize asks for %d bytes, more than this machine can hold; the KV pool is "
-                    "capped at %d bytes (%s)", int(wanted), cap, what)
-        return cap
-    return int(wanted)
 
 
 @dataclass
