@@ -95,6 +95,26 @@ def test_compressed_blocks_of_a_low_precision_pool_read_back_in_the_compute_dtyp
         assert (got - ref).abs().max() <= (ref.max() - ref.min()) / ((1 << bits) - 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_a_cached_block_pair_leaves_and_comes_back_as_the_same_bytes(dtype: torch.dtype) -> None:
+    caches = [KVCache(CacheSpec(2, 2, 8, 4, dtype, CPU, compute_dtype=torch.float32), 16, prefix_salt=b"m")
+              for _ in range(2)]
+    seq = SeqKV()
+    caches[0].reserve(seq, 4)
+    plan = caches[0].plan_writes([seq], [4], torch.arange(4))
+    for layer in range(2):
+        caches[0].write(layer, plan, torch.randn(4, 2, 8) * 3, torch.randn(4, 2, 8))
+    caches[0].commit(seq, 4)
+    caches[0].register(seq, [1, 2, 3, 4])
+    entry = caches[0].prefix.get(seq.block_keys[0])
+    payload = caches[0].entry_payload(entry)
+    assert len(payload) == 2 * 2 * 4 * 2 * 8 * caches[0].kv.element_size()
+    assert caches[1].load_entry(entry.key, None, entry.tokens, payload)
+    back = caches[1].prefix.get(entry.key)
+    for a, b in ((entry.k_block, back.k_block), (entry.v_block, back.v_block)):
+        assert torch.equal(caches[0].kv[:, a].view(torch.uint8), caches[1].kv[:, b].view(torch.uint8))
+
+
 def test_the_prefix_key_names_the_storage_and_the_compute_dtype() -> None:
     tokens = list(range(4))
     keys = set()
@@ -166,6 +186,23 @@ def test_the_pool_holds_the_cache_dtype_and_its_bytes(runs: dict[str, dict],
     # K/V data halves at 16 bits and quarters at fp8; the positions (4 bytes a slot) do not shrink.
     data = {d: BLOCK_BYTES[d] - 30 * 3 * 16 * 4 for d in DTYPES}
     assert data["bfloat16"] * 2 == data["float16"] * 2 == data["fp8"] * 4 == data["float32"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_retention_rewrites_a_low_precision_pool(loaded: LoadedModel, pydoc_prompt: list[int],
+                                                 runs: dict[str, dict], dtype: str) -> None:
+    """conf-kv at half the bytes moves, merges and drops slots of a bf16 / fp8 pool: the request
+    completes below its full-cache bytes, with a perplexity near the full cache's."""
+    config = load_config({"confkv": {"maxCacheSize": "64Mi", "kvCacheDtype": dtype, "kvPolicy": "conf-kv",
+                                     "budget": 0.5, "window": 32}})
+    engine = LLMEngine(loaded, config)
+    scored = _run(engine, pydoc_prompt, SamplingParams(max_tokens=0, prompt_logprobs=0, temperature=0.0))
+    engine.close()
+    nll = -sum(e.logprob for e in scored.prompt_logprobs[1:]) / (len(pydoc_prompt) - 1)
+    usage = scored.kv_usage
+    assert usage.tokens_discarded > 0  # the budget acted
+    assert usage.peak_kv_bytes < runs[dtype]["peak"]
+    assert math.exp(nll) < 1.3 * runs[dtype]["ppl"]
 
 
 def test_greedy_output_and_perplexity_stay_sane(runs: dict[str, dict]) -> None:

@@ -260,7 +260,10 @@ class CompressedStore:
         """``blocks`` = kv[layer] ([NB, bs, Hkv, D]) gathered through the plan into ``dtype`` (default
         the pool's), compressed rows decoded: one index_select, then per arena one byte gather and
         one batched decode."""
-        out = blocks.index_select(0, plan.table)
+        if blocks.element_size() == 1:  # float8 lacks index_select on some devices: gather the bytes
+            out = blocks.view(torch.uint8).index_select(0, plan.table).view(blocks.dtype)
+        else:
+            out = blocks.index_select(0, plan.table)
         if dtype is not None and out.dtype != dtype:
             out = out.to(dtype)
         for spec, rows, index in plan.groups:

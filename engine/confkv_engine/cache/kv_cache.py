@@ -92,6 +92,9 @@ class KVCache:
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
         self.kv_flat = self.kv.view(spec.num_layers, num_blocks * bs, h, d)
+        # What retention's rewrite moves: float8 lacks indexing kernels on some devices, so a
+        # one-byte pool moves its bytes (the same values).
+        self._kv_moved = self.kv_flat.view(torch.uint8) if self.kv.element_size() == 1 else self.kv_flat
         self.pos = torch.full((spec.num_layers, num_blocks * bs, h), -1, dtype=torch.int32,
                               device=spec.device)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
@@ -295,8 +298,9 @@ class KVCache:
 
     def entry_payload(self, entry: CachedBlock) -> bytes:
         """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
-        pair = torch.stack([self.store.block_data(entry.k_block), self.store.block_data(entry.v_block)])
-        return pair.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        blocks = (entry.k_block, entry.v_block)
+        pair = [self.store.block_data(b).contiguous().view(torch.uint8) for b in blocks]
+        return torch.stack(pair).cpu().numpy().tobytes()
 
     def load_entry(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], payload: bytes) -> bool:
         """Insert a block pair read back from the disk tier as an evictable cached entry; False when
@@ -445,8 +449,9 @@ class KVCache:
         layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
         head = torch.arange(spec.num_kv_heads, device=dev)[None, :, None]
         k_src = self.slot_index(seq.k_blocks, src)
-        keys, pos = self.kv_flat[layer, k_src, head], self.pos[layer, k_src, head]
-        vals = self.kv_flat[layer, self.slot_index(seq.v_blocks, src[..., n_key:]), head]
+        kv = self._kv_moved
+        keys, pos = kv[layer, k_src, head], self.pos[layer, k_src, head]
+        vals = kv[layer, self.slot_index(seq.v_blocks, src[..., n_key:]), head]
         held_before = self.held_blocks(seq)
 
         nb = -(-n_new // bs)
@@ -458,8 +463,8 @@ class KVCache:
 
         dst = torch.arange(base, n_new, device=dev).expand_as(src)
         k_dst = self.slot_index(seq.k_blocks, dst)
-        self.kv_flat[layer, k_dst, head] = keys
-        self.kv_flat[layer, self.slot_index(seq.v_blocks, dst[..., n_key:]), head] = vals
+        kv[layer, k_dst, head] = keys
+        kv[layer, self.slot_index(seq.v_blocks, dst[..., n_key:]), head] = vals
         self.pos[layer, k_dst, head] = pos
         if n_new < nb * bs:  # the rest of the last block is empty now
             rest = self.slot_index(seq.k_blocks, torch.arange(n_new, nb * bs, device=dev))
