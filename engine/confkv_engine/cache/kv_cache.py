@@ -52,6 +52,7 @@ from confkv_engine.cache.layout import (
     CompressResult,
     SeqKV,
     WritePlan,
+    int8_rows,
     resolve_cache_bytes,
     to_storage,
 )
@@ -97,6 +98,9 @@ class KVCache:
         self._kv_moved = self.kv_flat.view(torch.uint8) if self.kv.element_size() == 1 else self.kv_flat
         self.pos = torch.full((spec.num_layers, num_blocks * bs, h), -1, dtype=torch.int32,
                               device=spec.device)
+        # An int8 pool's fp16 scale of every (layer, slot, KV head); None for float pools.
+        self.scale = (torch.ones((spec.num_layers, num_blocks * bs, h), dtype=torch.float16,
+                                 device=spec.device) if spec.dtype == torch.int8 else None)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
         self.store = CompressedStore(self.kv, self.pool)
@@ -300,7 +304,14 @@ class KVCache:
         """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
         blocks = (entry.k_block, entry.v_block)
         pair = [self.store.block_data(b).contiguous().view(torch.uint8) for b in blocks]
-        return torch.stack(pair).cpu().numpy().tobytes()
+        payload = torch.stack(pair).cpu().numpy().tobytes()
+        if self.scale is not None:  # then the blocks' scales, [L, bs, Hkv] fp16 each
+            payload += b"".join(self._block_scales(b).cpu().numpy().tobytes() for b in blocks)
+        return payload
+
+    def _block_scales(self, block: int) -> Tensor:
+        bs = self.spec.block_size
+        return self.scale[:, block * bs:(block + 1) * bs].contiguous()
 
     def load_entry(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], payload: bytes) -> bool:
         """Insert a block pair read back from the disk tier as an evictable cached entry; False when
@@ -308,13 +319,20 @@ class KVCache:
         if self.prefix is None or key in self.prefix:
             return False
         shape = (2, self.spec.num_layers, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        elem = torch.empty((), dtype=self.spec.dtype).element_size()
-        if len(payload) != elem * int(torch.tensor(shape).prod()) or not self.can_allocate(2):
+        data = torch.empty((), dtype=self.spec.dtype).element_size() * int(torch.tensor(shape).prod())
+        scales = 0 if self.scale is None else 2 * 2 * self.spec.num_layers * self.spec.block_size * shape[3]
+        if len(payload) != data + scales or not self.can_allocate(2):
             return False
-        pair = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.spec.dtype).view(shape)
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        pair = raw[:data].view(self.spec.dtype).view(shape)
         k_block, v_block = self._allocate(2)
         self.kv[:, k_block] = pair[0].to(self.kv.device)
         self.kv[:, v_block] = pair[1].to(self.kv.device)
+        if self.scale is not None:
+            both = raw[data:].view(torch.float16).view(2, self.spec.num_layers, -1, shape[3])
+            bs = self.spec.block_size
+            for i, b in enumerate((k_block, v_block)):
+                self.scale[:, b * bs:(b + 1) * bs] = both[i].to(self.kv.device)
         entry = CachedBlock(key, parent, tokens, k_block, v_block)
         self.prefix.insert(entry)
         self.eviction.touch(key, self._clock)
@@ -394,6 +412,12 @@ class KVCache:
         """Store a step's new keys and values [T, Hkv, D] (compute dtype) in layer ``layer``'s slots,
         cast to the pool's dtype."""
         flat = self.kv_flat[layer]
+        if self.scale is not None:  # int8: each (token, head) row with its own scale
+            for index, x in ((plan.k_index, k), (plan.v_index, v)):
+                codes, scales = int8_rows(x)
+                flat.index_copy_(0, index, codes)
+                self.scale[layer].index_copy_(0, index, scales)
+            return
         k, v = to_storage(k, flat.dtype), to_storage(v, flat.dtype)
         if flat.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
             flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
@@ -426,7 +450,8 @@ class KVCache:
     def gather(self, layer: int, plan: GatherPlan) -> Tensor:
         """Layer ``layer`` of the planned blocks: [len(table), bs, Hkv, D] in the compute dtype
         (``spec.compute_dtype``), compressed blocks dequantized (a fresh tensor: callers may write it)."""
-        return self.store.gather(self.kv[layer], layer, plan, self.spec.compute_dtype)
+        scales = None if self.scale is None else self.scale[layer].view(self.kv.shape[1:4])
+        return self.store.gather(self.kv[layer], layer, plan, self.spec.compute_dtype, scales)
 
     def read_table(self, table: list[int], layer: int, num_slots: int,
                    plan: GatherPlan | None = None) -> Tensor:
@@ -449,9 +474,10 @@ class KVCache:
         layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
         head = torch.arange(spec.num_kv_heads, device=dev)[None, :, None]
         k_src = self.slot_index(seq.k_blocks, src)
-        kv = self._kv_moved
-        keys, pos = kv[layer, k_src, head], self.pos[layer, k_src, head]
-        vals = kv[layer, self.slot_index(seq.v_blocks, src[..., n_key:]), head]
+        kv, v_src = self._kv_moved, self.slot_index(seq.v_blocks, src[..., n_key:])
+        keys, pos, vals = kv[layer, k_src, head], self.pos[layer, k_src, head], kv[layer, v_src, head]
+        sc = self.scale
+        scales = None if sc is None else (sc[layer, k_src, head], sc[layer, v_src, head])
         held_before = self.held_blocks(seq)
 
         nb = -(-n_new // bs)
@@ -463,8 +489,10 @@ class KVCache:
 
         dst = torch.arange(base, n_new, device=dev).expand_as(src)
         k_dst = self.slot_index(seq.k_blocks, dst)
-        kv[layer, k_dst, head] = keys
-        kv[layer, self.slot_index(seq.v_blocks, dst[..., n_key:]), head] = vals
+        v_dst = self.slot_index(seq.v_blocks, dst[..., n_key:])
+        kv[layer, k_dst, head], kv[layer, v_dst, head] = keys, vals
+        if scales is not None:
+            self.scale[layer, k_dst, head], self.scale[layer, v_dst, head] = scales
         self.pos[layer, k_dst, head] = pos
         if n_new < nb * bs:  # the rest of the last block is empty now
             rest = self.slot_index(seq.k_blocks, torch.arange(n_new, nb * bs, device=dev))
