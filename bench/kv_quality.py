@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", help="comma-separated config names to run (default: all)")
     ap.add_argument("--no-ablations", action="store_true", help="skip attention-/sampling-only scoring")
     ap.add_argument("--compress", help="comma-separated bits (8,4,2): full cache with compressed blocks")
-    ap.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "fp8"),
+    ap.add_argument("--kv-cache-dtype", default="bfloat16",
+                    choices=("bfloat16", "float16", "float32", "fp8", "int8"),
                     help="KV pool storage dtype of every row (the model stays fp32); default bfloat16")
     ap.add_argument("--window", type=int, default=SERVED.window or CHUNK)
     ap.add_argument("--window-fraction", type=float, default=TierConfig.window_fraction)

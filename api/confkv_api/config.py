@@ -199,10 +199,6 @@ class CompressionSection(_Model):
 
 
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
-UNSUPPORTED_KV_CACHE_DTYPES = {
-    "int8": "kvCacheDtype 'int8' is not supported yet; use 'fp8' (1 byte per element, as vLLM's "
-            "fp8 cache) or 'bfloat16'",
-}
 
 
 class ConfKVSection(_Model):
@@ -228,15 +224,9 @@ class ConfKVSection(_Model):
     max_cache_size: str | None = None
     compression: CompressionSection = CompressionSection()
     # Storage dtype of the whole KV pool, as vLLM's --kv-cache-dtype: auto = model.dtype; fp8 =
-    # float8 e4m3 with a scale of 1.0 (vLLM's default; |x| > 448 saturates). Read at start (not live).
+    # float8 e4m3 with a scale of 1.0 (vLLM's default; |x| > 448 saturates); int8 = symmetric codes
+    # with an fp16 scale per token and KV head. Read at start (not live).
     kv_cache_dtype: KVCacheDtype = "auto"
-
-    @field_validator("kv_cache_dtype")
-    @classmethod
-    def _supported_cache_dtype(cls, value: str) -> str:
-        if value in UNSUPPORTED_KV_CACHE_DTYPES:
-            raise ValueError(UNSUPPORTED_KV_CACHE_DTYPES[value])
-        return value
 
     @field_validator("max_cache_size")
     @classmethod

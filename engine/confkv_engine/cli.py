@@ -81,7 +81,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-cache-size",
         help="KV pool size: bytes ('512Mi', '2G') or a fraction of device memory ('80%%')")
     add("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32", "int8", "fp8"],
-        help="KV pool storage dtype (as vLLM): auto (default) = --dtype; fp8 = float8 e4m3, scale 1.0")
+        help="KV pool storage dtype (as vLLM): auto (default) = --dtype; fp8 = float8 e4m3, scale 1.0; "
+             "int8 = symmetric with an fp16 scale per token and KV head")
     add("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (env CONFKV_API_KEY)")
     add("--grpc-socket", metavar="PATH",
         help="absolute path of the gRPC control plane's Unix socket (default engine-PORT.sock in "

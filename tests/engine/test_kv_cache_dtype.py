@@ -1,6 +1,6 @@
 """``confkv.kvCacheDtype``: the pool stores K/V at the cache dtype, attention reads them in the model's.
 
-The embedded SmolLM2-135M (fp32 weights) served with a float32, bfloat16, float16 and fp8 cache:
+The embedded SmolLM2-135M (fp32 weights) served with a float32, bfloat16, float16, fp8 and int8 cache:
 the pool's bytes are the spec's exact numbers, greedy output stays sane and the prompt's
 perplexity stays close to the fp32 cache's.
 """
@@ -22,10 +22,11 @@ from confkv_engine.model.loader import LoadedModel, load_model
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
 # SmolLM2-135M: 30 layers x 3 KV heads x head_dim 64, blocks of 16 tokens; a block is K (or V) of
-# all layers plus the 4-byte position of every (slot, layer, head).
+# all layers plus the 4-byte position of every (slot, layer, head) (and an int8 pool's fp16 scale).
 SMOLLM2 = (30, 3, 64, 16)
 BLOCK_BYTES = {"float32": 30 * 3 * 16 * (64 * 4 + 4), "bfloat16": 30 * 3 * 16 * (64 * 2 + 4),
-               "float16": 30 * 3 * 16 * (64 * 2 + 4), "fp8": 30 * 3 * 16 * (64 + 4)}
+               "float16": 30 * 3 * 16 * (64 * 2 + 4), "fp8": 30 * 3 * 16 * (64 + 4),
+               "int8": 30 * 3 * 16 * (64 + 2 + 4)}
 DTYPES = tuple(BLOCK_BYTES)
 
 
@@ -34,13 +35,14 @@ def test_block_bytes_are_the_cache_dtype_s() -> None:
         dtype = resolve_cache_dtype(name, torch.float32)
         spec = CacheSpec(*SMOLLM2, dtype, CPU, compute_dtype=torch.float32)
         assert spec.block_bytes == expected
-    assert BLOCK_BYTES == {"float32": 374_400, "bfloat16": 190_080, "float16": 190_080, "fp8": 97_920}
+    assert BLOCK_BYTES == {"float32": 374_400, "bfloat16": 190_080, "float16": 190_080, "fp8": 97_920,
+                           "int8": 100_800}
     assert resolve_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
 
 
 def test_a_spec_refuses_what_the_pool_cannot_store_or_attention_cannot_compute() -> None:
     with pytest.raises(ValueError, match="stores"):
-        CacheSpec(*SMOLLM2, torch.int8, CPU)
+        CacheSpec(*SMOLLM2, torch.int16, CPU)
     with pytest.raises(ValueError, match="computes"):
         CacheSpec(*SMOLLM2, torch.float8_e4m3fn, CPU)  # fp8 needs a compute dtype
 
@@ -53,7 +55,7 @@ def _small_cache(dtype: torch.dtype, salt: bytes | None = None) -> tuple[KVCache
 
 
 @pytest.mark.parametrize(("dtype", "rel"), [(torch.bfloat16, 2**-8), (torch.float16, 2**-11),
-                                            (torch.float8_e4m3fn, 2**-4)])
+                                            (torch.float8_e4m3fn, 2**-4), (torch.int8, 0.0)])
 def test_writes_cast_to_the_pool_and_reads_come_back_in_the_compute_dtype(dtype, rel) -> None:
     cache, seq = _small_cache(dtype)
     k = torch.randn(6, 2, 8) * 10
@@ -67,6 +69,11 @@ def test_writes_cast_to_the_pool_and_reads_come_back_in_the_compute_dtype(dtype,
     keys = cache.read_table(seq.k_blocks, 1, 6)
     vals = cache.read_table(seq.v_blocks, 1, 6)
     assert keys.dtype == vals.dtype == torch.float32
+    if dtype == torch.int8:  # within half a step of each (token, head) row's own scale
+        for got, x in ((keys, k), (vals, v)):
+            half_step = x.abs().amax(-1, keepdim=True) / 254
+            assert ((got - x).abs() <= half_step * (1 + 2**-9) + 1e-6).all()
+        return
     expected = k.clamp(-FP8_MAX, FP8_MAX) if dtype == torch.float8_e4m3fn else k
     assert torch.allclose(keys, expected, rtol=rel, atol=1e-3)  # fp8 saturates, never inf or nan
     assert torch.allclose(vals, v, rtol=rel, atol=1e-3 if dtype != torch.float8_e4m3fn else 2**-6)
@@ -75,6 +82,7 @@ def test_writes_cast_to_the_pool_and_reads_come_back_in_the_compute_dtype(dtype,
 @pytest.mark.parametrize(("dtype", "bits", "compressed"), [
     (torch.bfloat16, 8, 4), (torch.float8_e4m3fn, 4, 4),
     (torch.float8_e4m3fn, 8, 0),  # int8 codes plus parameters outgrow an fp8 block: left alone
+    (torch.int8, 4, 0),  # an int8 pool holds codes already
 ])
 def test_compressed_blocks_of_a_low_precision_pool_read_back_in_the_compute_dtype(
         dtype: torch.dtype, bits: int, compressed: int) -> None:
@@ -93,6 +101,28 @@ def test_compressed_blocks_of_a_low_precision_pool_read_back_in_the_compute_dtyp
         got = cache.read_table(table, 1, 32)
         assert got.dtype == torch.float32
         assert (got - ref).abs().max() <= (ref.max() - ref.min()) / ((1 << bits) - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_a_cached_block_pair_leaves_and_comes_back_as_the_same_bytes(dtype: torch.dtype) -> None:
+    caches = [KVCache(CacheSpec(2, 2, 8, 4, dtype, CPU, compute_dtype=torch.float32), 16, prefix_salt=b"m")
+              for _ in range(2)]
+    seq = SeqKV()
+    caches[0].reserve(seq, 4)
+    plan = caches[0].plan_writes([seq], [4], torch.arange(4))
+    for layer in range(2):
+        caches[0].write(layer, plan, torch.randn(4, 2, 8) * 3, torch.randn(4, 2, 8))
+    caches[0].commit(seq, 4)
+    caches[0].register(seq, [1, 2, 3, 4])
+    entry = caches[0].prefix.get(seq.block_keys[0])
+    payload = caches[0].entry_payload(entry)
+    scales = 2 * 2 * 4 * 2 * 2 if dtype == torch.int8 else 0  # 2 blocks x [L, bs, Hkv] fp16
+    assert len(payload) == 2 * 2 * 4 * 2 * 8 * caches[0].kv.element_size() + scales
+    assert caches[1].load_entry(entry.key, None, entry.tokens, payload)
+    back = caches[1].prefix.get(entry.key)
+    for a, b in ((entry.k_block, back.k_block), (entry.v_block, back.v_block)):
+        assert torch.equal(caches[0].kv[:, a].view(torch.uint8), caches[1].kv[:, b].view(torch.uint8))
+        assert torch.equal(caches[0].read_table([a], 1, 4), caches[1].read_table([b], 1, 4))
 
 
 def test_the_prefix_key_names_the_storage_and_the_compute_dtype() -> None:
@@ -168,10 +198,27 @@ def test_the_pool_holds_the_cache_dtype_and_its_bytes(runs: dict[str, dict],
     assert data["bfloat16"] * 2 == data["float16"] * 2 == data["fp8"] * 4 == data["float32"]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "int8"])
+def test_retention_rewrites_a_low_precision_pool(loaded: LoadedModel, pydoc_prompt: list[int],
+                                                 runs: dict[str, dict], dtype: str) -> None:
+    """conf-kv at half the bytes moves, merges and drops slots of a bf16 / fp8 / int8 pool: the request
+    completes below its full-cache bytes, with a perplexity near the full cache's."""
+    config = load_config({"confkv": {"maxCacheSize": "64Mi", "kvCacheDtype": dtype, "kvPolicy": "conf-kv",
+                                     "budget": 0.5, "window": 32}})
+    engine = LLMEngine(loaded, config)
+    scored = _run(engine, pydoc_prompt, SamplingParams(max_tokens=0, prompt_logprobs=0, temperature=0.0))
+    engine.close()
+    nll = -sum(e.logprob for e in scored.prompt_logprobs[1:]) / (len(pydoc_prompt) - 1)
+    usage = scored.kv_usage
+    assert usage.tokens_discarded > 0  # the budget acted
+    assert usage.peak_kv_bytes < runs[dtype]["peak"]
+    assert math.exp(nll) < 1.3 * runs[dtype]["ppl"]
+
+
 def test_greedy_output_and_perplexity_stay_sane(runs: dict[str, dict]) -> None:
     ref = runs["float32"]
     assert "Paris" in ref["answer"]
-    limits = {"bfloat16": 0.01, "float16": 0.002, "fp8": 0.15}  # relative perplexity increase
+    limits = {"bfloat16": 0.01, "float16": 0.002, "fp8": 0.15, "int8": 0.02}  # relative increase
     for dtype, limit in limits.items():
         assert "Paris" in runs[dtype]["answer"], (dtype, runs[dtype]["answer"])
         assert abs(runs[dtype]["ppl"] / ref["ppl"] - 1) < limit, (dtype, runs[dtype]["ppl"], ref["ppl"])

@@ -50,7 +50,6 @@ def test_keys_are_camel_case_and_round_trip() -> None:
         ({"confkv": {"budget": 0.5, "budgetTokens": 512}}, "at most one"),
         ({"engine": {"prefillChunk": 4096, "maxNumBatchedTokens": 2048}}, "prefillChunk"),
         ({"confkv": {"kvCacheDtype": "int4"}}, "confkv.kvCacheDtype"),
-        ({"confkv": {"kvCacheDtype": "int8"}}, "not supported yet"),
     ],
 )
 def test_bad_documents_name_the_problem(data: dict, needle: str) -> None:

@@ -260,13 +260,18 @@ class CompressedStore:
         return GatherPlan(torch.tensor(pool_ids, dtype=torch.long, device=device), groups)
 
     def gather(self, blocks: Tensor, layer: int, plan: GatherPlan,
-               dtype: torch.dtype | None = None) -> Tensor:
+               dtype: torch.dtype | None = None, scales: Tensor | None = None) -> Tensor:
         """``blocks`` = kv[layer] ([NB, bs, Hkv, D]) gathered through the plan into ``dtype`` (default
-        the pool's), compressed rows decoded: one index_select, then per arena one byte gather and
-        one batched decode."""
-        out = blocks.index_select(0, plan.table)
+        the pool's), times ``scales`` [NB, bs, Hkv] when given (an int8 pool), compressed rows
+        decoded: one index_select, then per arena one byte gather and one batched decode."""
+        if blocks.element_size() == 1:  # float8 lacks index_select on some devices: gather the bytes
+            out = blocks.view(torch.uint8).index_select(0, plan.table).view(blocks.dtype)
+        else:
+            out = blocks.index_select(0, plan.table)
         if dtype is not None and out.dtype != dtype:
             out = out.to(dtype)
+        if scales is not None:
+            out.mul_(scales.index_select(0, plan.table).to(out.dtype).unsqueeze(-1))
         for spec, rows, index in plan.groups:
             raw = self.bytes[layer].index_select(0, index).view(rows.numel(), spec.nbytes)
             out.index_copy_(0, rows, decode_rows(raw, spec, dtype=out.dtype))

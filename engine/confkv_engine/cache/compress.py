@@ -111,6 +111,8 @@ def compress_block(cache: KVCache, kind: str, block: int, holders: list[Holder],
         return 0
     if spec.nbytes >= cache.store.host_bytes:  # e.g. int8 codes of an fp8 pool: nothing to gain
         return 0
+    if cache.kv.dtype == torch.int8:  # its blocks are codes already (their scales live beside them)
+        return 0
     first_pos = _consecutive_start(cache, block) if kind == "k" else None
     if kind == "k" and first_pos is None:
         return 0

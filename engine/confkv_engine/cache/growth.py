@@ -43,6 +43,8 @@ class KVCache(Protocol):
     store: CompressedStore
     kv: Tensor
     kv_flat: Tensor
+    _kv_moved: Tensor
+    scale: Tensor | None
     pos: Tensor
 
 
@@ -64,13 +66,20 @@ def grow_pool(cache: KVCache, physical_blocks: int, limit_bytes: int | None = No
     try:
         kv = torch.empty(spec.num_layers, physical_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         pos = torch.empty(spec.num_layers, physical_blocks * bs, h, dtype=torch.int32, device=spec.device)
+        scale = None if cache.scale is None else torch.ones(
+            spec.num_layers, physical_blocks * bs, h, dtype=cache.scale.dtype, device=spec.device)
     except RuntimeError as err:  # torch.OutOfMemoryError included: nothing was changed
         raise ValueError(f"allocating a pool of {new_bytes} bytes failed: {err}") from None
     kv[:, :old_blocks].copy_(cache.kv)
     kv[:, old_blocks:].zero_()
     pos[:, :old_blocks * bs].copy_(cache.pos)
     pos[:, old_blocks * bs:].fill_(-1)
+    if scale is not None and cache.scale is not None:
+        scale[:, :old_blocks * bs].copy_(cache.scale)
+        cache.scale = scale
     cache.kv, cache.pos = kv, pos
     cache.kv_flat = kv.view(spec.num_layers, physical_blocks * bs, h, d)
+    # What retention's rewrite moves: a one-byte pool moves its raw bytes (as at construction).
+    cache._kv_moved = cache.kv_flat.view(torch.uint8) if kv.element_size() == 1 else cache.kv_flat
     cache.store.rebind(kv)
     cache.pool.grow(physical_blocks)

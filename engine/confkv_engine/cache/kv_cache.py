@@ -53,6 +53,7 @@ from confkv_engine.cache.layout import (
     CompressResult,
     SeqKV,
     WritePlan,
+    int8_rows,
     resolve_cache_bytes,
     to_storage,
 )
@@ -69,8 +70,8 @@ class EvictionSink(Protocol):
 
     def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
 
-    def start_load(self, links: list[ChainLink], shape: tuple[int, ...],
-                   dtype: torch.dtype) -> ChainLoad | None:
+    def start_load(self, links: list[ChainLink], shape: tuple[int, ...], dtype: torch.dtype,
+                   scale_shape: tuple[int, ...] | None = None) -> ChainLoad | None:
         """Start reading ``links`` back off the engine thread (``readback``); None: nothing to read."""
         ...
 
@@ -97,8 +98,14 @@ class KVCache:
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
         self.kv_flat = self.kv.view(spec.num_layers, num_blocks * bs, h, d)
+        # What retention's rewrite moves: float8 lacks indexing kernels on some devices, so a
+        # one-byte pool moves its bytes (the same values).
+        self._kv_moved = self.kv_flat.view(torch.uint8) if self.kv.element_size() == 1 else self.kv_flat
         self.pos = torch.full((spec.num_layers, num_blocks * bs, h), -1, dtype=torch.int32,
                               device=spec.device)
+        # An int8 pool's fp16 scale of every (layer, slot, KV head); None for float pools.
+        self.scale = (torch.ones((spec.num_layers, num_blocks * bs, h), dtype=torch.float16,
+                                 device=spec.device) if spec.dtype == torch.int8 else None)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
         self.store = CompressedStore(self.kv, self.pool)
@@ -272,7 +279,8 @@ class KVCache:
         links = chain_links(tokens, len(found), stop, found[-1].key if found else None, self.prefix.salt,
                             spec.block_size, self.prefix)
         shape = (2, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        return self.sink.start_load(links, shape, spec.dtype)
+        scale_shape = None if self.scale is None else shape[:-1]
+        return self.sink.start_load(links, shape, spec.dtype, scale_shape)
 
     def install_load(self, load: ChainLoad) -> int:
         """Insert a finished load's blocks as evictable cached entries, in chain order, up to the first
@@ -332,8 +340,16 @@ class KVCache:
 
     def entry_payload(self, entry: CachedBlock) -> bytes:
         """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
-        pair = torch.stack([self.store.block_data(entry.k_block), self.store.block_data(entry.v_block)])
-        return pair.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        blocks = (entry.k_block, entry.v_block)
+        pair = [self.store.block_data(b).contiguous().view(torch.uint8) for b in blocks]
+        payload = torch.stack(pair).cpu().numpy().tobytes()
+        if self.scale is not None:  # then the blocks' scales, [L, bs, Hkv] fp16 each
+            payload += b"".join(self._block_scales(b).cpu().numpy().tobytes() for b in blocks)
+        return payload
+
+    def _block_scales(self, block: int) -> Tensor:
+        bs = self.spec.block_size
+        return self.scale[:, block * bs:(block + 1) * bs].contiguous()
 
     def _insert_pair(self, link: ChainLink, load: ChainLoad) -> bool:
         """One loaded block pair as an evictable entry; False when it was not loaded or no block is free."""
@@ -341,8 +357,13 @@ class KVCache:
         if pair is None or self.prefix is None or not self.can_allocate(2):
             return False
         k_block, v_block = self._allocate(2)
-        self.kv[:, k_block] = pair[0].to(self.kv.device)
-        self.kv[:, v_block] = pair[1].to(self.kv.device)
+        data, scales = pair
+        self.kv[:, k_block] = data[0].to(self.kv.device)
+        self.kv[:, v_block] = data[1].to(self.kv.device)
+        if self.scale is not None and scales is not None:
+            bs = self.spec.block_size
+            for i, b in enumerate((k_block, v_block)):
+                self.scale[:, b * bs:(b + 1) * bs] = scales[i].to(self.kv.device)
         entry = CachedBlock(link.key, link.parent, link.tokens, k_block, v_block)
         self.prefix.insert(entry)
         self.eviction.touch(link.key, self._clock)
@@ -422,6 +443,12 @@ class KVCache:
         """Store a step's new keys and values [T, Hkv, D] (compute dtype) in layer ``layer``'s slots,
         cast to the pool's dtype."""
         flat = self.kv_flat[layer]
+        if self.scale is not None:  # int8: each (token, head) row with its own scale
+            for index, x in ((plan.k_index, k), (plan.v_index, v)):
+                codes, scales = int8_rows(x)
+                flat.index_copy_(0, index, codes)
+                self.scale[layer].index_copy_(0, index, scales)
+            return
         k, v = to_storage(k, flat.dtype), to_storage(v, flat.dtype)
         if flat.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
             flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
@@ -454,7 +481,8 @@ class KVCache:
     def gather(self, layer: int, plan: GatherPlan) -> Tensor:
         """Layer ``layer`` of the planned blocks: [len(table), bs, Hkv, D] in the compute dtype
         (``spec.compute_dtype``), compressed blocks dequantized (a fresh tensor: callers may write it)."""
-        return self.store.gather(self.kv[layer], layer, plan, self.spec.compute_dtype)
+        scales = None if self.scale is None else self.scale[layer].view(self.kv.shape[1:4])
+        return self.store.gather(self.kv[layer], layer, plan, self.spec.compute_dtype, scales)
 
     def read_table(self, table: list[int], layer: int, num_slots: int,
                    plan: GatherPlan | None = None) -> Tensor:

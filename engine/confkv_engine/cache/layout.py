@@ -22,11 +22,14 @@ CPU_AVAILABLE_CAP = 0.5
 CUDA_FREE_CAP = 0.9
 
 # ``confkv.kvCacheDtype`` -> the pool's storage dtype ("auto" is the model's dtype). fp8 is e4m3 with
-# a per-tensor scale of 1.0, vLLM's default: finite values up to 448, beyond it they saturate.
+# a per-tensor scale of 1.0, vLLM's default: finite values up to 448, beyond it they saturate. int8
+# is symmetric with one fp16 scale per (layer, slot, KV head), kept beside the positions: a token's
+# head row is quantized on its own when written, so nothing is re-quantized later.
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "fp8": torch.float8_e4m3fn}
+                "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 STORAGE_DTYPES = tuple(CACHE_DTYPES.values())
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+INT8_LEVELS = 127
 
 
 def resolve_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -37,6 +40,18 @@ def resolve_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         raise ValueError(f"kvCacheDtype {name!r} is not supported by this engine; "
                          f"use auto or one of {', '.join(CACHE_DTYPES)}")
     return CACHE_DTYPES[name]
+
+
+def int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., D] -> int8 codes [..., D] and fp16 scales [...] (rounded up: |x| / scale <= 127), so
+    every element decodes within scale / 2. Scales are capped at fp16's largest value."""
+    wanted = x.float().abs().amax(-1) / INT8_LEVELS
+    scales = wanted.clamp(max=65504.0).half()
+    scales = torch.where(scales.float() < wanted, torch.nextafter(scales, torch.full_like(scales, torch.inf)),
+                         scales).clamp(max=65504.0)
+    safe = torch.where(scales > 0, scales.float(), torch.ones_like(wanted))
+    codes = torch.round(x.float() / safe[..., None]).clamp_(-INT8_LEVELS, INT8_LEVELS)
+    return codes.to(torch.int8), scales
 
 
 def to_storage(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -70,9 +85,11 @@ class CacheSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block (K or V for block_size tokens over all layers) incl. position metadata."""
+        """Bytes of one block (K or V for block_size tokens over all layers) incl. position metadata
+        (and an int8 pool's scales)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_slot = self.num_layers * self.num_kv_heads * (self.head_dim * elem + 4)
+        scale = 2 if self.dtype == torch.int8 else 0
+        per_slot = self.num_layers * self.num_kv_heads * (self.head_dim * elem + scale + 4)
         return per_slot * self.block_size
 
 

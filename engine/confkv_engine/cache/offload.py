@@ -79,14 +79,14 @@ class DiskTier:
         self._queue.join()
 
     # ---- reading back (``readback``) ---------------------------------------------------------
-    def start_load(self, links: list[ChainLink], shape: tuple[int, ...],
-                   dtype: torch.dtype) -> ChainLoad | None:
+    def start_load(self, links: list[ChainLink], shape: tuple[int, ...], dtype: torch.dtype,
+                   scale_shape: tuple[int, ...] | None = None) -> ChainLoad | None:
         """Queue a read of ``links`` (at most ``MAX_LOAD_BLOCKS``) for the reader thread; None, at
         once, when the disk has no record of the first block not cached in memory."""
         first = next((link for link in links if not link.cached), None)
         if first is None or self._closing.is_set() or not self.store.contains(first.key):
             return None
-        load = ChainLoad(links[:MAX_LOAD_BLOCKS], shape, dtype)
+        load = ChainLoad(links[:MAX_LOAD_BLOCKS], shape, dtype, scale_shape)
         self._reads.put(load)
         return load
 

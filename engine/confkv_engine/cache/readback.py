@@ -46,21 +46,27 @@ class ChainLink:
 
 @dataclass
 class ChainLoad:
-    """A read-back in flight: the reader fills ``pairs`` (key -> decoded K/V pair) then sets ``done``."""
+    """A read-back in flight: the reader fills ``pairs`` (key -> decoded K/V pair and, for an int8
+    pool, the pair's scales) then sets ``done``."""
 
     links: list[ChainLink]
     shape: tuple[int, ...]  # of one decoded pair: [2, L, bs, Hkv, D]
     dtype: torch.dtype
-    pairs: dict[bytes, Tensor] = field(default_factory=dict)
+    scale_shape: tuple[int, ...] | None = None  # an int8 pool's fp16 scales after the pair: [2, L, bs, Hkv]
+    pairs: dict[bytes, tuple[Tensor, Tensor | None]] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
 
-    def decode(self, payload: bytes) -> Tensor | None:
-        """The payload as a pair tensor, or None when its size does not fit this layout."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        if len(payload) != elem * int(torch.Size(self.shape).numel()):
+    def decode(self, payload: bytes) -> tuple[Tensor, Tensor | None] | None:
+        """The payload as (pair, scales), or None when its size does not fit this layout."""
+        data = torch.empty((), dtype=self.dtype).element_size() * int(torch.Size(self.shape).numel())
+        scales = 0 if self.scale_shape is None else 2 * int(torch.Size(self.scale_shape).numel())
+        if len(payload) != data + scales:
             return None
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return raw.view(self.dtype).view(self.shape)
+        pair = raw[:data].view(self.dtype).view(self.shape)
+        if self.scale_shape is None:
+            return pair, None
+        return pair, raw[data:].view(torch.float16).view(self.scale_shape)
 
 
 def chain_links(tokens: list[int], start: int, stop: int, parent: bytes | None, salt: bytes, block_size: int,

@@ -23,6 +23,8 @@ class KVCache(Protocol):
     store: CompressedStore
     kv: Tensor
     kv_flat: Tensor
+    _kv_moved: Tensor  # kv_flat, as raw bytes for a one-byte pool
+    scale: Tensor | None  # an int8 pool's per-(layer, slot, head) scales
     pos: Tensor
     null_block: int
 
@@ -45,8 +47,10 @@ def rewrite_seq(cache: KVCache, seq: SeqKV, order: Tensor, n_key: int, base: int
     layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
     head = torch.arange(spec.num_kv_heads, device=dev)[None, :, None]
     k_src = cache.slot_index(seq.k_blocks, src)
-    keys, pos = cache.kv_flat[layer, k_src, head], cache.pos[layer, k_src, head]
-    vals = cache.kv_flat[layer, cache.slot_index(seq.v_blocks, src[..., n_key:]), head]
+    kv, v_src = cache._kv_moved, cache.slot_index(seq.v_blocks, src[..., n_key:])
+    keys, pos, vals = kv[layer, k_src, head], cache.pos[layer, k_src, head], kv[layer, v_src, head]
+    sc = cache.scale
+    scales = None if sc is None else (sc[layer, k_src, head], sc[layer, v_src, head])
     held_before = cache.held_blocks(seq)
 
     nb = -(-n_new // bs)
@@ -58,8 +62,10 @@ def rewrite_seq(cache: KVCache, seq: SeqKV, order: Tensor, n_key: int, base: int
 
     dst = torch.arange(base, n_new, device=dev).expand_as(src)
     k_dst = cache.slot_index(seq.k_blocks, dst)
-    cache.kv_flat[layer, k_dst, head] = keys
-    cache.kv_flat[layer, cache.slot_index(seq.v_blocks, dst[..., n_key:]), head] = vals
+    v_dst = cache.slot_index(seq.v_blocks, dst[..., n_key:])
+    kv[layer, k_dst, head], kv[layer, v_dst, head] = keys, vals
+    if scales is not None:
+        cache.scale[layer, k_dst, head], cache.scale[layer, v_dst, head] = scales
     cache.pos[layer, k_dst, head] = pos
     if n_new < nb * bs:  # the rest of the last block is empty now
         rest = cache.slot_index(seq.k_blocks, torch.arange(n_new, nb * bs, device=dev))
