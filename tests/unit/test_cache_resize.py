@@ -94,3 +94,39 @@ def test_growing_keeps_the_lru_k_order_of_cached_blocks() -> None:
     assert order[-2:] == list(reversed(keys_of(cache, HOT)))  # the twice-used prefix goes last
     cache.resize(20)
     assert cache.eviction.evictable() == order
+
+
+def test_an_int8_pool_keeps_its_scales_through_growth_and_the_disk_payload() -> None:
+    """int8 pools hold an fp16 scale per (layer, slot, head) beside the codes: a grow copies them,
+    and a block pair's disk payload carries them back (read-back decodes them with the pair)."""
+    from dataclasses import replace
+
+    from confkv_engine.cache.readback import ChainLoad
+
+    spec = replace(SPEC, dtype=torch.int8, compute_dtype=torch.float32)
+    cache = KVCache(spec, 5, prefix_salt=b"test-model")
+    seq = SeqKV()
+    tokens = [3, 250, 7, 1000, 11, 12, 13, 14]  # one full block of 8, magnitudes far apart
+    cache.reserve(seq, len(tokens))
+    plan = cache.plan_writes([seq], [len(tokens)], torch.arange(len(tokens)))
+    kv = torch.tensor(tokens, dtype=torch.float32)[:, None, None].expand(-1, 1, 2).contiguous()
+    for layer in range(spec.num_layers):
+        cache.write(layer, plan, kv, -kv)
+    cache.commit(seq, len(tokens))
+    cache.register(seq, tokens)
+    before = read(cache, seq)
+    assert torch.allclose(before[0][0, :, 0, 0], kv[:, 0, 0], rtol=1e-2)  # decoded with its scales
+
+    cache.resize(8)
+    assert cache.scale is not None and cache.scale.shape[1] == cache.kv_flat.shape[1]
+    assert all(torch.equal(a, b) for a, b in zip(read(cache, seq), before, strict=True))
+
+    entry = next(iter(cache.prefix.entries()))
+    shape = (2, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    load = ChainLoad([], shape, spec.dtype, shape[:-1])
+    decoded = load.decode(cache.entry_payload(entry))
+    assert decoded is not None and decoded[1] is not None
+    pair, scales = decoded
+    assert torch.equal(pair[0], cache.kv[:, entry.k_block])
+    assert torch.equal(scales[0], cache.scale[:, entry.k_block * BS:(entry.k_block + 1) * BS])
+    assert load.decode(cache.entry_payload(entry)[:-2]) is None  # a payload of the wrong size
