@@ -15,6 +15,7 @@ import torch
 from confkv_api.config import load_config
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
 from confkv_engine.cache.layout import FP8_MAX, resolve_cache_dtype
+from confkv_engine.cache.readback import ChainLink, ChainLoad
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model.loader import LoadedModel, load_model
@@ -118,7 +119,14 @@ def test_a_cached_block_pair_leaves_and_comes_back_as_the_same_bytes(dtype: torc
     payload = caches[0].entry_payload(entry)
     scales = 2 * 2 * 4 * 2 * 2 if dtype == torch.int8 else 0  # 2 blocks x [L, bs, Hkv] fp16
     assert len(payload) == 2 * 2 * 4 * 2 * 8 * caches[0].kv.element_size() + scales
-    assert caches[1].load_entry(entry.key, None, entry.tokens, payload)
+    spec = caches[1].spec
+    shape = (2, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    link = ChainLink(entry.key, None, entry.tokens, False)
+    load = ChainLoad([link], shape, spec.dtype, None if caches[1].scale is None else shape[:-1])
+    decoded = load.decode(payload)
+    assert decoded is not None
+    load.pairs[entry.key] = decoded  # what the disk tier's reader thread does
+    assert caches[1].install_load(load) == 1
     back = caches[1].prefix.get(entry.key)
     for a, b in ((entry.k_block, back.k_block), (entry.v_block, back.v_block)):
         assert torch.equal(caches[0].kv[:, a].view(torch.uint8), caches[1].kv[:, b].view(torch.uint8))
