@@ -29,11 +29,11 @@ def test_an_fp8_cache_is_counted_at_its_bytes_and_still_answers(tmp_path: Path) 
                        "--max-cache-size", str(POOL), "--no-prefix-cache", "--grpc-socket", str(sock))
     try:
         srv.wait_ready()
-        usable = POOL // FP8_BLOCK_BYTES - 1  # less the null block
-        assert srv.metrics()[names.KV_CACHE_CAPACITY_BYTES] == usable * FP8_BLOCK_BYTES
+        pool_blocks = POOL // FP8_BLOCK_BYTES  # the whole pool (the reserved null block included)
+        assert srv.metrics()[names.KV_CACHE_CAPACITY_BYTES] == pool_blocks * FP8_BLOCK_BYTES
         with grpc.insecure_channel(f"unix://{sock}") as channel:
             status = pb_grpc.EngineControlStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10)
-        assert status.kv_bytes_total == usable * FP8_BLOCK_BYTES
+        assert status.kv_bytes_total == pool_blocks * FP8_BLOCK_BYTES
         body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         resp = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
