@@ -222,6 +222,13 @@ def test_health_answers_while_a_10_mb_prompt_is_refused(server: EngineServer, ro
     assert "at least" in error["message"], error  # from its length, without tokenizing it
 
 
+def test_health_answers_while_10_mb_of_token_ids_are_refused(server: EngineServer) -> None:
+    body = json.dumps({"prompt": [100] * 2_100_000, "max_tokens": 1})
+    assert 10_000_000 < len(body) < LIMIT
+    error = _refused_while_timing_health(server, "/v1/completions", body, "10 MB of token ids were refused")
+    assert "2100001 tokens (2100000 in the prompt" in error["message"], error
+
+
 def cjk_text(chars: int) -> str:
     """Rare CJK characters: two or three byte-level tokens each, the most tokens per character."""
     return "".join(chr(0x4E00 + (i * 7919) % 20_000) for i in range(chars))
