@@ -26,12 +26,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.async_engine import EngineUnavailable, QueueFull
 from confkv_engine.core.sampling_params import InvalidRequest
 from confkv_engine.http import tokenization
+from confkv_engine.http.body import LargeBodyOffLoopRoute, render_json
 from confkv_engine.http.limits import RequestBodyLimit
 from confkv_engine.http.metrics import EngineMetrics
 from confkv_engine.http.protocol import (
@@ -175,7 +177,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _openai_router(state: ServedState) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(state.config.engine.api_key))],
-                       responses=_documented(400, 401, 404, 413, 429, 500, 503))
+                       responses=_documented(400, 401, 404, 413, 429, 500, 503),
+                       route_class=LargeBodyOffLoopRoute)
 
     @router.post("/completions", responses=_STREAMABLE)
     async def completions(req: CompletionRequest, request: Request) -> Any:
@@ -201,16 +204,19 @@ def _openai_router(state: ServedState) -> APIRouter:
 def _tokenizer_router(state: ServedState) -> APIRouter:
     """vLLM's tokenizer endpoints (outside /v1, as vLLM serves them; behind the same API key)."""
     router = APIRouter(dependencies=[Depends(_auth_dependency(state.config.engine.api_key))],
-                       responses=_documented(400, 401, 404, 413, 500, 503))
+                       responses=_documented(400, 401, 404, 413, 500, 503), route_class=LargeBodyOffLoopRoute)
 
-    @router.post("/tokenize")
-    async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008 - FastAPI's idiom
+    @router.post("/tokenize", response_model=dict[str, Any])  # the same schema as before, rendered here
+    async def tokenize(body: dict[str, Any] = Body(...)) -> Response:  # noqa: B008 - FastAPI's idiom
         req = tokenization.tokenize_request(body)
-        return tokenization.tokenize(state.require_serving(req.model), req)
+        serving = state.require_serving(req.model)
+        # Off the event loop, as the generation routes tokenize: a megabyte prompt takes seconds,
+        # and its answer is megabytes of ids (vLLM returns them whatever their count).
+        return await run_in_threadpool(lambda: render_json(tokenization.tokenize(serving, req)))
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        return tokenization.detokenize(state.require_serving(req.model), req)
+        return await run_in_threadpool(tokenization.detokenize, state.require_serving(req.model), req)
 
     @router.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:

@@ -35,6 +35,8 @@ from confkv_engine.http.protocol import (
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
+    def encode_within(self, text: str, limit: int) -> tuple[int, list[int] | None]: ...
+    def fewest_tokens(self, text: str) -> int: ...
     def decode(self, ids: list[int]) -> str: ...
     def id_to_token(self, token_id: int) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, Any]],
@@ -66,11 +68,32 @@ class OpenAIServing:
     # ---- shared ----------------------------------------------------------------------------
     def _check_length(self, prompt_len: int, max_tokens: int, param: str = "prompt") -> None:
         if prompt_len + max_tokens > self.max_model_len:
+            raise self._too_long(prompt_len, max_tokens, param)
+
+    def _too_long(self, prompt_len: int, max_tokens: int, param: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+            f"the completion). Please reduce the length of the prompt or the completion.",
+            param=param, code="context_length_exceeded")
+
+    def _encode_within(self, text: str, max_tokens: int, param: str) -> list[int]:
+        """The ids of a prompt that leaves room for ``max_tokens``; one that cannot is refused first
+        from its length alone (``Tokenizer.fewest_tokens``), else from its exact token count before
+        its id list is built, so no per-token Python work is spent on it."""
+        room = self.max_model_len - max_tokens
+        fewest = self.tokenizer.fewest_tokens(text)
+        if room >= 0 and fewest > room:
             raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
-                f"the completion). Please reduce the length of the prompt or the completion.",
-                param=param, code="context_length_exceeded")
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt of {len(text)} characters is at least {fewest} tokens long (no token of this "
+                f"vocabulary stands for more characters than its longest), and {max_tokens} more are "
+                f"requested for the completion. Please reduce the length of the prompt or the "
+                f"completion.", param=param, code="context_length_exceeded")
+        count, ids = self.tokenizer.encode_within(text, max(room, 0))
+        if ids is None:
+            raise self._too_long(count, max_tokens, param)
+        return ids
 
     def _params(self, req: _Request, max_tokens: int, logprobs: int | None,
                 prompt_logprobs: int | None, structured: StructuredOutput | None) -> SamplingParams:
@@ -109,11 +132,12 @@ class OpenAIServing:
         return finals  # type: ignore[return-value]
 
     # ---- /v1/completions -------------------------------------------------------------------
-    def _completion_prompt(self, req: CompletionRequest) -> tuple[list[int], str]:
+    def _completion_prompt(self, req: CompletionRequest, max_tokens: int) -> tuple[list[int], str]:
         prompt = req.single_prompt()
         if isinstance(prompt, str):
-            ids, text = self.tokenizer.encode(prompt), prompt
+            ids, text = self._encode_within(prompt, max_tokens, "prompt"), prompt
         else:
+            self._check_length(len(prompt), max_tokens)  # before any per-token work
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
@@ -129,11 +153,10 @@ class OpenAIServing:
         req.check_supported()
         # Tokenizing (and the chat template below) runs on a worker thread: a megabyte prompt takes
         # seconds, and the event loop must keep answering /health meanwhile.
-        ids, prompt_text = await run_in_threadpool(self._completion_prompt, req)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         if max_tokens == 0 and not req.echo:
             raise InvalidRequest("max_tokens must be >= 1 unless echo is set", param="max_tokens")
-        self._check_length(len(ids), max_tokens)
+        ids, prompt_text = await run_in_threadpool(self._completion_prompt, req, max_tokens)
         count = max(req.n, req.best_of or 1)
         # best_of ranks choices by their logprobs: ask for them even when the client did not.
         logprobs = req.logprobs if count == req.n or req.logprobs is not None else 0
@@ -220,22 +243,17 @@ class OpenAIServing:
         except ValueError as err:  # the template refused the conversation (e.g. roles out of order)
             raise InvalidRequest(str(err), param="messages") from None
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        return self.tokenizer.encode(self.chat_prompt(req.messages))
+    def _chat_prompt(self, req: ChatCompletionRequest, max_tokens: int) -> list[int]:
+        return self._encode_within(self.chat_prompt(req.messages), max_tokens, "messages")
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Any:
         req.check_supported()
-        ids = await run_in_threadpool(self._chat_prompt, req)
         requested = req.requested_max_tokens
         if requested == 0:
             raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
-        if requested is None:
-            if len(ids) >= self.max_model_len:
-                self._check_length(len(ids), 1, "messages")
-            max_tokens = self.max_model_len - len(ids)
-        else:
-            max_tokens = requested
-            self._check_length(len(ids), max_tokens, "messages")
+        # Without max_tokens the completion may fill the context, but needs room for one token.
+        ids = await run_in_threadpool(self._chat_prompt, req, 1 if requested is None else requested)
+        max_tokens = self.max_model_len - len(ids) if requested is None else requested
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, top_n, None, await self._structured(req))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
