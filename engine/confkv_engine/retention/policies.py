@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from confkv_engine.retention import scorer
+from confkv_engine.retention.budget import BudgetSchedule
 from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig, decide_tiers, share_confidence
 
 POLICY_NAMES = ("full", "streaming", "h2o", "conf-kv", "conf-kv-discard")
@@ -38,6 +39,9 @@ class RetentionConfig:
     budget: float | None = None
     budget_tokens: int | None = None
     budget_mode: str = "always"
+    # Per-decision budget from the model's uncertainty (None: the fixed budget). Only acts with a
+    # budget; see ``retention.budget``.
+    schedule: BudgetSchedule | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:

@@ -29,8 +29,9 @@ from torch import Tensor
 
 from confkv_engine.cache.kv_cache import KVCache
 from confkv_engine.retention import policies, scorer
+from confkv_engine.retention.budget import ScheduleState
 from confkv_engine.retention.policies import RetentionConfig, SlotView
-from confkv_engine.retention.tiers import KVAccounting, budget_target, is_decision_point
+from confkv_engine.retention.tiers import KVAccounting, Tier, budget_target, is_decision_point
 
 
 def decision_interval(block_size: int, prefill_chunk: int) -> int:
@@ -78,6 +79,7 @@ class RetentionState:
     # policies see them as sinks, so a replay that recomputes part of the prefix decides alike.
     base: int = 0
     protect: int = 0
+    schedule: ScheduleState = field(default_factory=ScheduleState)  # the budget schedule's account
 
     def __post_init__(self) -> None:
         shape = (self.num_layers, self.num_kv_heads, self.base)
@@ -182,14 +184,33 @@ class RetentionState:
             return None
         return round(self.target_bytes(length, under_pressure=True) / self.acct.full_bytes(length), 4)
 
+    def _schedules(self, under_pressure: bool) -> bool:
+        """Whether the budget schedule sets this decision's target (it needs a budget that applies)."""
+        cfg = self.cfg
+        budgeted = cfg.budget is not None or cfg.budget_tokens is not None
+        return cfg.schedule is not None and budgeted and (cfg.budget_mode == "always" or under_pressure)
+
+    def _scheduled_target(self, fixed: int, length: int, under_pressure: bool) -> int:
+        """The budget schedule's target (``retention.budget``), or ``fixed`` without one or a budget."""
+        cfg = self.cfg
+        if cfg.schedule is None or not self._schedules(under_pressure):
+            return fixed
+        protected = min(length, cfg.tiers.sinks + cfg.tiers.window)
+        return self.schedule.target(cfg.schedule, fixed, self.acct.held_bytes(protected, protected))
+
     def decide(self, length: int, under_pressure: bool = False) -> Tensor | None:
         """New tiers at a decision point, or None when nothing changes."""
         if self.cfg.policy == "full" or not is_decision_point(length, self.interval):
             return None
-        target = self.target_bytes(length, under_pressure)
+        fixed = self.target_bytes(length, under_pressure)
+        target = self._scheduled_target(fixed, length, under_pressure)
         new = policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
         self.prev_decision = length
         self.prev_window = self.cfg.recent_window(self.acct, target)
+        if self._schedules(under_pressure):
+            kept = int((new != Tier.DISCARD).sum(-1).flatten()[0])
+            key_only = int((new == Tier.KEY_ONLY).sum(-1).flatten()[0])
+            self.schedule.record(fixed, self.acct.held_bytes(kept, kept - key_only))
         if torch.equal(new, self.tiers):
             return None
         if self.first_eviction is None:

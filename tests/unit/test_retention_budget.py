@@ -1,0 +1,111 @@
+"""Budget schedule from uncertainty: the running account holds the average and targets stay in bounds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from confkv_engine.retention.budget import BudgetSchedule, ScheduleState, uncertainty
+from confkv_engine.retention.scorer import sampling_signal
+
+FLOOR = 500
+
+
+def _simulate(schedule: BudgetSchedule, steps: int, alive_cap: float | None = None, seed: int = 0):
+    """Decisions every interval: fixed grows with the length; the policy meets the target exactly,
+    or (``alive_cap``) cannot grow past ``alive_cap`` x fixed (dropped tokens never come back)."""
+    rng = random.Random(seed)
+    state = ScheduleState()
+    rows = []
+    for t in range(1, steps + 1):
+        fixed = 1000 * t
+        state.observe([rng.random() ** 3 for _ in range(32)])
+        target = state.target(schedule, fixed, FLOOR)
+        held = target if alive_cap is None else min(target, int(alive_cap * fixed))
+        state.record(fixed, held)
+        rows.append((fixed, target, held, state.credit))
+    return rows
+
+
+@pytest.mark.parametrize("strength", [0.5, -0.5, 0.9])
+@pytest.mark.parametrize("slack", [0.0, 1.0, 3.0])
+def test_running_total_never_exceeds_the_fixed_schedule_nor_trails_it_by_more_than_the_slack(
+        strength: float, slack: float) -> None:
+    schedule = BudgetSchedule(strength=strength, slack=slack)
+    total_fixed = total_held = 0
+    varied = False
+    for fixed, target, held, credit in _simulate(schedule, 200):
+        total_fixed += fixed
+        total_held += held
+        assert total_held <= total_fixed  # the average holds at every decision
+        assert total_fixed - total_held <= slack * fixed + 1  # int() rounding of the target
+        assert credit == total_fixed - total_held
+        assert (1 - abs(strength)) * fixed - 1 <= target <= (1 + abs(strength)) * fixed
+        varied |= target != fixed
+    assert varied or slack == 0.0
+
+
+def test_slack_zero_is_the_fixed_budget() -> None:
+    rows = _simulate(BudgetSchedule(slack=0.0), 50)
+    assert all(target == fixed for fixed, target, _, _ in rows)
+
+
+def test_constant_uncertainty_gives_exactly_the_fixed_budget() -> None:
+    state, schedule = ScheduleState(), BudgetSchedule(strength=0.8, slack=2.0)
+    for t in range(1, 30):
+        state.observe([0.3] * 32)
+        assert state.target(schedule, 1000 * t, FLOOR) == 1000 * t
+        state.record(1000 * t, 1000 * t)
+
+
+def test_budget_grows_on_an_uncertain_interval_after_saving_on_confident_ones() -> None:
+    state, schedule = ScheduleState(), BudgetSchedule(strength=0.5, slack=2.0)
+    targets = []
+    for t, u in enumerate([0.1, 0.2, 0.1, 0.2, 0.1, 0.15, 0.9], start=1):
+        state.observe([u] * 32)
+        targets.append(state.target(schedule, 1000 * t, FLOOR) / (1000 * t))
+        state.record(1000 * t, int(targets[-1] * 1000 * t))
+    assert min(targets[:6]) < 1.0 < targets[6] <= 1.5
+    # The inverse control shrinks on the same uncertain interval.
+    inv = ScheduleState()
+    for t, u in enumerate([0.1, 0.2, 0.1, 0.2, 0.1, 0.15, 0.9], start=1):
+        inv.observe([u] * 32)
+        last = inv.target(BudgetSchedule(strength=-0.5, slack=2.0), 1000 * t, FLOOR)
+        inv.record(1000 * t, last)
+    assert last < 7000
+
+
+def test_first_decision_cannot_spend_what_was_not_saved_and_floor_holds() -> None:
+    state = ScheduleState()
+    state.observe([0.9] * 32)
+    assert state.target(BudgetSchedule(), 1000, FLOOR) <= 1000
+    low = ScheduleState()
+    for t in range(1, 10):
+        low.observe([0.01 if t < 9 else 0.0] * 32)
+        assert low.target(BudgetSchedule(strength=0.9, slack=5.0), 600, FLOOR) >= FLOOR
+        low.record(600, 600)
+
+
+def test_one_way_demotion_keeps_the_spend_cap() -> None:
+    total_fixed = total_held = 0
+    for fixed, _, held, _ in _simulate(BudgetSchedule(strength=0.9, slack=1.0), 100, alive_cap=1.1):
+        total_fixed, total_held = total_fixed + fixed, total_held + held
+        assert total_held <= total_fixed
+
+
+@pytest.mark.parametrize("kwargs", [{"signal": "nope"}, {"strength": 0.0}, {"strength": 1.0},
+                                    {"strength": -1.5}, {"slack": -0.1}])
+def test_schedule_config_errors_are_clear(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="budget schedule"):
+        BudgetSchedule(**kwargs)
+
+
+def test_uncertainty_signals_are_in_unit_range_and_ordered() -> None:
+    logits = torch.tensor([[10.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    sig = sampling_signal(logits, torch.tensor([0, 0]))
+    for kind in ("entropy", "margin", "surprise"):
+        u = uncertainty(sig, kind)
+        assert bool(((u >= 0) & (u <= 1)).all())
+        assert float(u[0]) < float(u[1])  # the flat distribution is the uncertain one
