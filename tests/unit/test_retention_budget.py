@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from confkv_engine.retention.budget import BudgetSchedule, ScheduleState, uncertainty
+from confkv_engine.retention.policies import RetentionConfig, SlotView, select, window_limit
 from confkv_engine.retention.scorer import sampling_signal
+from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig
 
 FLOOR = 500
 
@@ -109,3 +111,22 @@ def test_uncertainty_signals_are_in_unit_range_and_ordered() -> None:
         u = uncertainty(sig, kind)
         assert bool(((u >= 0) & (u <= 1)).all())
         assert float(u[0]) < float(u[1])  # the flat distribution is the uncertain one
+
+
+def test_a_target_that_jumps_up_does_not_pull_tiered_tokens_back_into_the_window() -> None:
+    # Two units that kept as many tokens before the last window ([200, 232) at length 232) but not
+    # the same ones. A target that jumps up (a scheduled budget) widens the window to 80 tokens:
+    # uncapped its start 184 would protect 16 more slots in unit 0 than in unit 1.
+    middle = {0: range(100, 200), 1: range(80, 180)}
+    pos = torch.stack([torch.tensor([*range(4), *middle[u], *range(200, 264)]) for u in (0, 1)])
+    n = pos.shape[1]
+    view = SlotView(pos=pos, tiers=torch.zeros(2, n, dtype=torch.int8),
+                    acc=torch.rand(2, n, generator=torch.Generator().manual_seed(0)), norm=torch.ones(2, n),
+                    c_samp=torch.zeros(2, n), length=264, prev_length=232, group=1, prev_window=32, heads=2)
+    cfg = RetentionConfig(policy="conf-kv-discard", tiers=TierConfig(window=32), budget=0.5)
+    acct = KVAccounting(16, 1000)
+    target = acct.held_bytes(160, 160)
+    assert cfg.recent_window(acct, target) == 80
+    assert window_limit(264, 232, 32) == 64 and cfg.recent_window(acct, target, 64) == 64
+    kept = (select(view, cfg, acct, target) != Tier.DISCARD).sum(-1)
+    assert kept[0] == kept[1] <= 160

@@ -8,16 +8,19 @@ they were confident, within the request's average:
              (normalised entropy ``H / log V``, or ``1 - top-2 margin``, or the surprise ``1 - p``)
     z_t    = (u_t - running mean of u) / running std of u      (over this sequence's intervals so far)
     g_t    = 1 + strength x tanh(z_t)                           (in [1 - |strength|, 1 + |strength|])
-    target = fixed_t x g_t, clamped to the running account below
+    target = fixed_t + (g_t - 1) x ref_t, clamped to the running account below
 
-The account keeps the *average* exact. ``credit`` is what the sequence saved so far against the
-fixed schedule, ``sum_s (fixed_s - held_s)`` over its decisions. A decision may spend at most the
-credit (``held_t <= fixed_t + credit``), so the sum of held bytes never exceeds the sum of the fixed
-targets at any decision; and it may save at most ``slack x fixed_t`` in total (``credit_t <= slack x
-fixed_t``), so the average does not drift below the request's budget either. Demotion is one-way:
-a growing budget means *demoting less at this decision* (keeping more of the interval just
-appended), never bringing a dropped token back, so when the policy cannot reach a higher target
-the unspent bytes stay in the credit.
+``ref_t`` is what the fixed budget would hold after this decision with the tokens held now (the
+whole tokens that fit ``fixed_t``, or all of them when there is nothing to evict), so neither block
+rounding nor an early phase with nothing to evict counts as saving. ``credit`` is what the sequence
+saved so far, ``sum_s (ref_s - held_s)`` over its decisions. A decision may spend at most the
+credit (``held_t <= ref_t + credit``), so the held bytes summed over decisions stay at or under the
+fixed budget's (up to the one block by which a target and what fits it can differ, which the next
+decision pays back); and it may save at most ``slack x ref_t`` in total, so the average does not
+drift below the request's budget either. Demotion is one-way: a growing budget means *demoting less
+at this decision* (keeping more of the interval just appended), never bringing a dropped token
+back, so when the policy cannot reach a higher target the unspent bytes stay in the credit. With
+``g = 1`` the target is exactly the fixed one.
 
 The running normalisation makes ``g`` average about 1 without knowing the sequence's end, and a
 sequence whose uncertainty never varies gets exactly the fixed budget. The peak a sequence can
@@ -99,14 +102,20 @@ class ScheduleState:
             return 0.0
         return (u - self.u_mean) / math.sqrt(self.u_m2 / (self.intervals - 1))
 
-    def target(self, schedule: BudgetSchedule, fixed: int, floor: int) -> int:
-        """Byte target of this decision, given the fixed schedule's ``fixed`` and the policy's floor."""
+    def target(self, schedule: BudgetSchedule, fixed: int, floor: int, reference: int | None = None) -> int:
+        """Byte target of this decision. ``fixed``: the fixed budget's target; ``reference``: what the
+        fixed budget would hold after this decision (default ``fixed``; less when block rounding or
+        a sequence with nothing to evict leaves it under its target); ``floor``: the policy's floor.
+        The schedule moves the target by ``(g - 1) x reference``, within the account's caps."""
+        ref = fixed if reference is None else reference
         gain = 1.0 + schedule.strength * math.tanh(self._interval_z())
-        spend_cap = fixed + self.credit  # never more than saved so far
-        save_cap = fixed + self.credit - schedule.slack * fixed  # never save more than the slack
-        want = max(fixed * gain, save_cap)
-        return int(max(floor, min(want, spend_cap, fixed * schedule.peak_factor)))
+        bound = abs(schedule.strength) * ref
+        spend_cap = min(bound, self.credit)  # never more than saved so far
+        save_cap = max(-bound, self.credit - schedule.slack * ref)  # never save more than the slack
+        delta = min(spend_cap, max(save_cap, (gain - 1.0) * ref))
+        return int(max(floor, fixed + delta))
 
-    def record(self, fixed: int, held: int) -> None:
-        """After a decision: the sequence holds ``held`` bytes where the fixed schedule held ``fixed``."""
-        self.credit += fixed - held
+    def record(self, reference: int, held: int) -> None:
+        """After a decision: the sequence holds ``held`` bytes where the fixed budget would hold
+        ``reference``."""
+        self.credit += reference - held

@@ -190,27 +190,37 @@ class RetentionState:
         budgeted = cfg.budget is not None or cfg.budget_tokens is not None
         return cfg.schedule is not None and budgeted and (cfg.budget_mode == "always" or under_pressure)
 
-    def _scheduled_target(self, fixed: int, length: int, under_pressure: bool) -> int:
-        """The budget schedule's target (``retention.budget``), or ``fixed`` without one or a budget."""
+    def _fixed_would_hold(self, fixed: int) -> int:
+        """Bytes the fixed budget would hold after this decision with the tokens held now (whole
+        tokens fitting ``fixed``, or all of them): the schedule's account is kept against this, so
+        neither block rounding nor a phase with nothing to evict turns into credit."""
+        n, now = policies.tokens_that_fit(fixed, self.acct), self.num_slots
+        return min(self.acct.held_bytes(n, n), self.acct.held_bytes(now, now - self.n_key))
+
+    def _scheduled_target(self, fixed: int, reference: int, length: int) -> int:
+        """The budget schedule's target (``retention.budget``) around the fixed one."""
         cfg = self.cfg
-        if cfg.schedule is None or not self._schedules(under_pressure):
+        if cfg.schedule is None:
             return fixed
-        protected = min(length, cfg.tiers.sinks + cfg.tiers.window)
-        return self.schedule.target(cfg.schedule, fixed, self.acct.held_bytes(protected, protected))
+        floor = self.acct.held_bytes(*(2 * [min(length, cfg.tiers.sinks + cfg.tiers.window)]))
+        return self.schedule.target(cfg.schedule, fixed, floor, reference)
 
     def decide(self, length: int, under_pressure: bool = False) -> Tensor | None:
         """New tiers at a decision point, or None when nothing changes."""
         if self.cfg.policy == "full" or not is_decision_point(length, self.interval):
             return None
         fixed = self.target_bytes(length, under_pressure)
-        target = self._scheduled_target(fixed, length, under_pressure)
+        scheduled = self._schedules(under_pressure)
+        reference = self._fixed_would_hold(fixed) if scheduled else fixed
+        target = self._scheduled_target(fixed, reference, length) if scheduled else fixed
         new = policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
+        limit = policies.window_limit(length, self.prev_decision, self.prev_window)
         self.prev_decision = length
-        self.prev_window = self.cfg.recent_window(self.acct, target)
-        if self._schedules(under_pressure):
+        self.prev_window = self.cfg.recent_window(self.acct, target, limit)
+        if scheduled:
             kept = int((new != Tier.DISCARD).sum(-1).flatten()[0])
             key_only = int((new == Tier.KEY_ONLY).sum(-1).flatten()[0])
-            self.schedule.record(fixed, self.acct.held_bytes(kept, kept - key_only))
+            self.schedule.record(reference, self.acct.held_bytes(kept, kept - key_only))
         if torch.equal(new, self.tiers):
             return None
         if self.first_eviction is None:
