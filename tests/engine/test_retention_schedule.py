@@ -1,5 +1,5 @@
 """The budget schedule on the real paged cache: it acts, holds the fixed budget's average over the
-decisions and stays inside the reservation admission makes for it."""
+decisions within its slack and stays inside the reservation admission makes for it."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ def test_schedule_on_the_paged_cache_holds_the_average_and_the_reservation() -> 
     fixed_run, manager, cfg = runs["fixed"]
     sched_run, _, sched_cfg = runs["entropy"]
     assert sched_run.held_bytes != fixed_run.held_bytes  # the schedule acted
-    # Averages: the scheduled run holds no more than the fixed budget's targets over its decisions.
+    # Summed over its decisions the scheduled run holds the fixed budget's targets within the slack.
     state = manager.new_state(cfg)
     targets = [state.target_bytes(n, False) for n in sched_run.lengths]
-    assert sum(sched_run.held_bytes) <= sum(targets)
+    slack, pair = sched_cfg.schedule.slack, 2 * manager.cache.spec.block_bytes
+    assert abs(sum(sched_run.held_bytes) - sum(targets)) <= slack * targets[-1] + pair
     # The peak stays inside what admission reserves for the scheduled config.
     reserved = manager.reserve_blocks(sched_cfg, len(toks)) * manager.cache.spec.block_bytes
     assert sched_run.peak_bytes <= reserved

@@ -33,20 +33,20 @@ def _simulate(schedule: BudgetSchedule, steps: int, alive_cap: float | None = No
 
 @pytest.mark.parametrize("strength", [0.5, -0.5, 0.9])
 @pytest.mark.parametrize("slack", [0.0, 1.0, 3.0])
-def test_running_total_never_exceeds_the_fixed_schedule_nor_trails_it_by_more_than_the_slack(
-        strength: float, slack: float) -> None:
+def test_running_total_stays_within_the_slack_of_the_fixed_schedule(strength: float, slack: float) -> None:
     schedule = BudgetSchedule(strength=strength, slack=slack)
     total_fixed = total_held = 0
     varied = False
     for fixed, target, held, credit in _simulate(schedule, 200):
         total_fixed += fixed
         total_held += held
-        assert total_held <= total_fixed  # the average holds at every decision
-        assert total_fixed - total_held <= slack * fixed + 1  # int() rounding of the target
+        assert abs(total_fixed - total_held) <= slack * fixed + 1  # int() rounding of the target
         assert credit == total_fixed - total_held
         assert (1 - abs(strength)) * fixed - 1 <= target <= (1 + abs(strength)) * fixed
         varied |= target != fixed
     assert varied or slack == 0.0
+    # The average over the decisions: the fixed schedule's within slack / decisions.
+    assert abs(total_held / total_fixed - 1) <= slack * 200_000 / total_fixed + 1e-6
 
 
 def test_slack_zero_is_the_fixed_budget() -> None:
@@ -62,41 +62,39 @@ def test_constant_uncertainty_gives_exactly_the_fixed_budget() -> None:
         state.record(1000 * t, 1000 * t)
 
 
-def test_budget_grows_on_an_uncertain_interval_after_saving_on_confident_ones() -> None:
-    state, schedule = ScheduleState(), BudgetSchedule(strength=0.5, slack=2.0)
-    targets = []
-    for t, u in enumerate([0.1, 0.2, 0.1, 0.2, 0.1, 0.15, 0.9], start=1):
-        state.observe([u] * 32)
-        targets.append(state.target(schedule, 1000 * t, FLOOR) / (1000 * t))
-        state.record(1000 * t, int(targets[-1] * 1000 * t))
-    assert min(targets[:6]) < 1.0 < targets[6] <= 1.5
-    # The inverse control shrinks on the same uncertain interval.
-    inv = ScheduleState()
-    for t, u in enumerate([0.1, 0.2, 0.1, 0.2, 0.1, 0.15, 0.9], start=1):
-        inv.observe([u] * 32)
-        last = inv.target(BudgetSchedule(strength=-0.5, slack=2.0), 1000 * t, FLOOR)
-        inv.record(1000 * t, last)
-    assert last < 7000
+def test_budget_grows_on_an_uncertain_interval_and_the_inverse_control_shrinks() -> None:
+    intervals = [0.1, 0.2, 0.1, 0.2, 0.1, 0.15, 0.9]
+    for strength in (0.5, -0.5):
+        state, schedule = ScheduleState(), BudgetSchedule(strength=strength, slack=2.0)
+        ratios = []
+        for t, u in enumerate(intervals, start=1):
+            state.observe([u] * 32)
+            ratios.append(state.target(schedule, 1000 * t, FLOOR) / (1000 * t))
+            state.record(1000 * t, int(ratios[-1] * 1000 * t))
+        assert ratios[0] == 1.0  # one interval: no spread to compare it with
+        if strength > 0:
+            assert min(ratios[:6]) < 1.0 < ratios[6] <= 1.5
+        else:
+            assert 0.5 <= ratios[6] < 1.0 < max(ratios[:6])
 
 
-def test_first_decision_cannot_spend_what_was_not_saved_and_floor_holds() -> None:
-    state = ScheduleState()
-    state.observe([0.9] * 32)
-    assert state.target(BudgetSchedule(), 1000, FLOOR) <= 1000
+def test_floor_holds_and_reference_below_fixed_moves_around_the_fixed_target() -> None:
     low = ScheduleState()
     for t in range(1, 10):
         low.observe([0.01 if t < 9 else 0.0] * 32)
         assert low.target(BudgetSchedule(strength=0.9, slack=5.0), 600, FLOOR) >= FLOOR
         low.record(600, 600)
+    # With a reference under the fixed target (block rounding), g = 1 still gives the fixed target.
+    flat = ScheduleState()
+    flat.observe([0.3] * 32)
+    assert flat.target(BudgetSchedule(), 1000, FLOOR, reference=900) == 1000
 
 
-def test_one_way_demotion_keeps_the_spend_cap() -> None:
+def test_one_way_demotion_keeps_the_account_bounded_from_above() -> None:
     total_fixed = total_held = 0
     for fixed, _, held, _ in _simulate(BudgetSchedule(strength=0.9, slack=1.0), 100, alive_cap=1.1):
         total_fixed, total_held = total_fixed + fixed, total_held + held
-        assert total_held <= total_fixed
-
-
+        assert total_held <= total_fixed + fixed
 @pytest.mark.parametrize("kwargs", [{"signal": "nope"}, {"strength": 0.0}, {"strength": 1.0},
                                     {"strength": -1.5}, {"slack": -0.1}])
 def test_schedule_config_errors_are_clear(kwargs: dict) -> None:
