@@ -10,9 +10,9 @@ they were confident, within the request's average:
     g_t    = 1 + strength x tanh(z_t)                           (in [1 - |strength|, 1 + |strength|])
     target = fixed_t + (g_t - 1) x ref_t, clamped to the running account below
 
-``ref_t`` is what the fixed budget would hold after this decision with the tokens held now (the
-whole tokens that fit ``fixed_t``, or all of them when there is nothing to evict), so neither block
-rounding nor an early phase with nothing to evict counts as saving. ``credit`` is what the sequence
+``ref_t`` is what the fixed budget would hold after this decision (the whole tokens that fit
+``fixed_t``, or all tokens while they fit), so neither block rounding nor an early phase with
+nothing to evict counts as saving. ``credit`` is what the sequence
 saved so far, ``sum_s (ref_s - held_s)`` over its decisions, and the schedule keeps it within
 ``+-slack x ref_t``: the held bytes summed over the decisions differ from the fixed budget's by at
 most ``slack`` decisions' worth, so the *average* over ``T`` decisions is the fixed budget's within
@@ -47,7 +47,7 @@ class BudgetSchedule:
 
     signal: str = "entropy"
     strength: float = 0.5
-    slack: float = 1.0  # most bytes saved ahead of the fixed schedule, in fixed targets
+    slack: float = 0.25  # the account stays within +-slack x the fixed budget's bytes
 
     def __post_init__(self) -> None:
         if self.signal not in UNCERTAINTY_SIGNALS:

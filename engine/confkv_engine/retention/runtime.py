@@ -190,12 +190,13 @@ class RetentionState:
         budgeted = cfg.budget is not None or cfg.budget_tokens is not None
         return cfg.schedule is not None and budgeted and (cfg.budget_mode == "always" or under_pressure)
 
-    def _fixed_would_hold(self, fixed: int) -> int:
-        """Bytes the fixed budget would hold after this decision with the tokens held now (whole
-        tokens fitting ``fixed``, or all of them): the schedule's account is kept against this, so
-        neither block rounding nor a phase with nothing to evict turns into credit."""
-        n, now = policies.tokens_that_fit(fixed, self.acct), self.num_slots
-        return min(self.acct.held_bytes(n, n), self.acct.held_bytes(now, now - self.n_key))
+    def _fixed_would_hold(self, fixed: int, length: int) -> int:
+        """Bytes the fixed budget would hold after this decision: the whole tokens fitting ``fixed``,
+        or all ``length`` tokens while they fit. The schedule's account is kept against this, so
+        block rounding and a phase with nothing to evict are not savings, and a sequence that saved
+        earlier (and so holds fewer tokens now) is still measured against the fixed budget."""
+        n = min(policies.tokens_that_fit(fixed, self.acct), length)
+        return self.acct.held_bytes(n, n)
 
     def _scheduled_target(self, fixed: int, reference: int, length: int) -> int:
         """The budget schedule's target (``retention.budget``) around the fixed one."""
@@ -211,7 +212,7 @@ class RetentionState:
             return None
         fixed = self.target_bytes(length, under_pressure)
         scheduled = self._schedules(under_pressure)
-        reference = self._fixed_would_hold(fixed) if scheduled else fixed
+        reference = self._fixed_would_hold(fixed, length) if scheduled else fixed
         target = self._scheduled_target(fixed, reference, length) if scheduled else fixed
         new = policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
         limit = policies.window_limit(length, self.prev_decision, self.prev_window)
