@@ -7,26 +7,20 @@ import pytest
 import torch
 
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache
-from confkv_engine.model.llama import DenseAttention, LlamaForCausalLM, ModelArgs
+from confkv_engine.model.llama import DenseAttention, LlamaForCausalLM
 from confkv_engine.retention.manager import RetentionManager
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.scorer import ScorerConfig
 from confkv_engine.retention.tiers import TierConfig
 from tests.drivers.offline import run_sequence
+from tests.drivers.tiny_model import tiny_model
 
 CHUNK, BLOCK = 32, 16
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    args = ModelArgs(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
-    m = LlamaForCausalLM(args).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(std=0.15)
-    return m
+    return tiny_model()
 
 
 @pytest.fixture()

@@ -27,7 +27,7 @@ from torch import Tensor
 from confkv_api.config import ConfKVSection
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
 from confkv_engine.cache.usage import KVUsage
-from confkv_engine.retention import scorer
+from confkv_engine.retention import budget, scorer
 from confkv_engine.retention.compaction import apply_tiers, held_bytes
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import RetentionState, accounting, decision_interval
@@ -138,6 +138,8 @@ class RetentionManager:
         acct = accounting(self.cache, cfg)
         protected = min(max_len, cfg.tiers.sinks + cfg.tiers.window)
         target = budget_target(acct, max_len, cfg.budget, cfg.budget_tokens, protected)
+        if cfg.schedule is not None:  # a scheduled budget may rise above the fixed one
+            target = int(target * cfg.schedule.peak_factor)
         bs, bb = self.cache.spec.block_size, self.cache.spec.block_bytes
         blocks = -(-target // bb) + 2 * self.interval // bs
         return blocks if blocks < self.cache.blocks_for_tokens(max_len) else None
@@ -193,8 +195,10 @@ class RetentionManager:
                        effective_kv_budget=state.effective_budget(seq.num_computed))
 
     def wants_logits(self, state: RetentionState | None) -> bool:
-        return (state is not None and state.cfg.policy.startswith("conf-kv")
-                and state.cfg.scorer.effective_weight > 0)
+        if state is None:
+            return False
+        samples = state.cfg.policy.startswith("conf-kv") and state.cfg.scorer.effective_weight > 0
+        return samples or state.cfg.schedule is not None
 
     def observe_logits(self, state: RetentionState, logits: Tensor, first_position: int,
                        successors: list[int]) -> None:
@@ -205,6 +209,8 @@ class RetentionManager:
         sig = scorer.sampling_signal(logits[:m], torch.tensor(successors[:m], device=logits.device))
         conf = scorer.sampling_confidence(sig, state.cfg.scorer.sampling_kind)
         state.on_sampling(first_position, conf.cpu().tolist())
+        if state.cfg.schedule is not None:
+            state.schedule.observe(budget.uncertainty(sig, state.cfg.schedule.signal).cpu().tolist())
 
     def under_pressure(self) -> bool:
         return self.cache.num_free < PRESSURE_FREE_FRACTION * self.cache.num_blocks

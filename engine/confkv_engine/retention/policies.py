@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from confkv_engine.retention import scorer
+from confkv_engine.retention.budget import BudgetSchedule
 from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig, decide_tiers, share_confidence
 
 POLICY_NAMES = ("full", "streaming", "h2o", "conf-kv", "conf-kv-discard")
@@ -38,6 +39,9 @@ class RetentionConfig:
     budget: float | None = None
     budget_tokens: int | None = None
     budget_mode: str = "always"
+    # Per-decision budget from the model's uncertainty (None: the fixed budget). Only acts with a
+    # budget; see ``retention.budget``.
+    schedule: BudgetSchedule | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -59,11 +63,13 @@ class RetentionConfig:
     def uses_key_only(self) -> bool:
         return self.policy == "conf-kv"
 
-    def recent_window(self, acct: KVAccounting, target: int) -> int:
-        """conf-kv's always-FULL window: grows with the budget when one is set (window_fraction)."""
+    def recent_window(self, acct: KVAccounting, target: int, limit: int | None = None) -> int:
+        """conf-kv's always-FULL window: grows with the budget when one is set (window_fraction).
+        ``limit`` (``window_limit``) keeps its start from moving back over tokens already tiered."""
         if self.budget is None and self.budget_tokens is None:
             return self.tiers.window
-        return self.tiers.effective_window(tokens_that_fit(target, acct), acct.block_size)
+        window = self.tiers.effective_window(tokens_that_fit(target, acct), acct.block_size)
+        return window if limit is None else min(window, limit)
 
 
 @dataclass
@@ -81,6 +87,13 @@ class SlotView:
     prev_window: int | None = None
     heads: int = 1  # KV heads per layer (units are ordered layer-major)
     fixed: int = 0  # positions below this are a shared prefix: kept FULL whatever the policy
+
+
+def window_limit(length: int, prev_length: int, prev_window: int | None) -> int | None:
+    """Largest window whose start is not before the previous decision's: tokens that left the window
+    were tiered once, unit by unit, and must not become protected again (a target that jumps up,
+    as a budget schedule's or pressure mode's can, would otherwise pull them back in)."""
+    return None if prev_window is None else prev_window + length - prev_length
 
 
 def tokens_that_fit(target: int, acct: KVAccounting) -> int:
@@ -122,7 +135,8 @@ def select_conf_kv(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, tar
     conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer)
     conf = share_confidence(conf, cfg.tiers.granularity, view.heads)
     key_only = cfg.tiers.key_only and cfg.policy == "conf-kv"
-    tier_cfg = replace(cfg.tiers, window=cfg.recent_window(acct, target), key_only=key_only)
+    limit = window_limit(view.length, view.prev_length, view.prev_window)
+    tier_cfg = replace(cfg.tiers, window=cfg.recent_window(acct, target, limit), key_only=key_only)
     return decide_tiers(view.pos, view.tiers, conf, view.length, view.prev_length, tier_cfg, acct, target,
                         view.prev_window)
 

@@ -29,8 +29,9 @@ from torch import Tensor
 
 from confkv_engine.cache.kv_cache import KVCache
 from confkv_engine.retention import policies, scorer
+from confkv_engine.retention.budget import ScheduleState
 from confkv_engine.retention.policies import RetentionConfig, SlotView
-from confkv_engine.retention.tiers import KVAccounting, budget_target, is_decision_point
+from confkv_engine.retention.tiers import KVAccounting, Tier, budget_target, is_decision_point
 
 
 def decision_interval(block_size: int, prefill_chunk: int) -> int:
@@ -78,6 +79,7 @@ class RetentionState:
     # policies see them as sinks, so a replay that recomputes part of the prefix decides alike.
     base: int = 0
     protect: int = 0
+    schedule: ScheduleState = field(default_factory=ScheduleState)  # the budget schedule's account
 
     def __post_init__(self) -> None:
         shape = (self.num_layers, self.num_kv_heads, self.base)
@@ -182,14 +184,44 @@ class RetentionState:
             return None
         return round(self.target_bytes(length, under_pressure=True) / self.acct.full_bytes(length), 4)
 
+    def _schedules(self, under_pressure: bool) -> bool:
+        """Whether the budget schedule sets this decision's target (it needs a budget that applies)."""
+        cfg = self.cfg
+        budgeted = cfg.budget is not None or cfg.budget_tokens is not None
+        return cfg.schedule is not None and budgeted and (cfg.budget_mode == "always" or under_pressure)
+
+    def _fixed_would_hold(self, fixed: int, length: int) -> int:
+        """Bytes the fixed budget would hold after this decision: the whole tokens fitting ``fixed``,
+        or all ``length`` tokens while they fit. The schedule's account is kept against this, so
+        block rounding and a phase with nothing to evict are not savings, and a sequence that saved
+        earlier (and so holds fewer tokens now) is still measured against the fixed budget."""
+        n = min(policies.tokens_that_fit(fixed, self.acct), length)
+        return self.acct.held_bytes(n, n)
+
+    def _scheduled_target(self, fixed: int, reference: int, length: int) -> int:
+        """The budget schedule's target (``retention.budget``) around the fixed one."""
+        cfg = self.cfg
+        if cfg.schedule is None:
+            return fixed
+        floor = self.acct.held_bytes(*(2 * [min(length, cfg.tiers.sinks + cfg.tiers.window)]))
+        return self.schedule.target(cfg.schedule, fixed, floor, reference)
+
     def decide(self, length: int, under_pressure: bool = False) -> Tensor | None:
         """New tiers at a decision point, or None when nothing changes."""
         if self.cfg.policy == "full" or not is_decision_point(length, self.interval):
             return None
-        target = self.target_bytes(length, under_pressure)
+        fixed = self.target_bytes(length, under_pressure)
+        scheduled = self._schedules(under_pressure)
+        reference = self._fixed_would_hold(fixed, length) if scheduled else fixed
+        target = self._scheduled_target(fixed, reference, length) if scheduled else fixed
         new = policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
+        limit = policies.window_limit(length, self.prev_decision, self.prev_window)
         self.prev_decision = length
-        self.prev_window = self.cfg.recent_window(self.acct, target)
+        self.prev_window = self.cfg.recent_window(self.acct, target, limit)
+        if scheduled:
+            kept = int((new != Tier.DISCARD).sum(-1).flatten()[0])
+            key_only = int((new == Tier.KEY_ONLY).sum(-1).flatten()[0])
+            self.schedule.record(reference, self.acct.held_bytes(kept, kept - key_only))
         if torch.equal(new, self.tiers):
             return None
         if self.first_eviction is None:
