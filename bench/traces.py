@@ -47,7 +47,7 @@ VOCAB = 49152  # SmolLM2's vocabulary size; ids are random, only equality matter
 
 
 class EvictionPolicy(Protocol):
-    def touch(self, key: Hashable, now: int) -> None: ...
+    def touch(self, key: Hashable, now: int, parent: Hashable | None = None) -> None: ...
     def release(self, key: Hashable) -> None: ...
     def acquire(self, key: Hashable) -> bool: ...
     def victim(self) -> Hashable | None: ...
@@ -165,7 +165,7 @@ class _PrefixCache:
                 self.policy.acquire(key)
             elif not self.insert(key):
                 break  # the request alone fills the cache: the rest of its chain is not cached
-            self.policy.touch(key, now)
+            self.policy.touch(key, now, pinned[-1] if pinned else None)
             pinned.append(key)
         for key in reversed(pinned):
             self.policy.release(key)
