@@ -1,4 +1,4 @@
-"""LRU-K eviction order: exact victims for K = 1, 2, 3, correlated references, retained history."""
+"""LRU-K eviction order: exact victims for K = 1, 2, 3, chain history, correlated periods, retention."""
 
 from __future__ import annotations
 
@@ -47,6 +47,69 @@ def test_exact_order_for_k_1_2_3(k: int, order: list[str]) -> None:
     assert policy.evictable() == order
     assert [policy.victim() for _ in range(4)] == [*order, None]
     assert len(policy) == 0
+
+
+def prefix_tree(policy: LRUK) -> LRUK:
+    """A hot prompt h (ticks 1, 2, 3) with a question q (tick 2) and a two-block chat turn x -> y
+    (tick 3) appended to it, then a two-block one-off prompt s -> s2 (tick 4); released q, y, x, h,
+    s2, s (each request's chain from its tail).
+
+    Chain history: q is h's first child, HIST(q) = (2, 2 - 1 * (2 - 1)) = (2, 1); x its second,
+    HIST(x) = (3, 3 - 2 * (3 - 2), 3 - 2 * (3 - 1)) = (3, 1, -1); y is x's first child, so it takes
+    x's (3, 1, -1). s has a single reference, so s2 inherits nothing."""
+    policy.touch("h", 1)
+    policy.touch("h", 2)
+    policy.touch("q", 2, parent="h")
+    policy.touch("h", 3)
+    policy.touch("x", 3, parent="h")
+    policy.touch("y", 3, parent="x")
+    policy.touch("s", 4)
+    policy.touch("s2", 4, parent="s")
+    for key in ("q", "y", "x", "h", "s2", "s"):
+        policy.release(key)
+    return policy
+
+
+def test_chain_history_inherits_the_parents_older_references_split_among_its_children() -> None:
+    policy = prefix_tree(LRUK(k=2))
+    assert policy.history("h") == (3, 2, 1)
+    assert policy.history("q") == (2, 1)
+    assert policy.history("x") == (3, 1, -1) and policy.history("y") == (3, 1, -1)
+    assert policy.history("s") == (4,) and policy.history("s2") == (4,)
+    assert [policy.uses(key) for key in ("h", "q", "x", "s2", "unknown")] == [3, 1, 1, 1, 0]
+
+
+@pytest.mark.parametrize(("k", "order"), [
+    (1, ["q", "y", "x", "h", "s2", "s"]),  # LRU on HIST(1), ties: the earlier release
+    (2, ["s2", "s", "q", "y", "x", "h"]),  # s, s2: one reference; then HIST(2) q = y = x = 1 < h = 2
+    (3, ["q", "s2", "s", "y", "x", "h"]),  # q has two references; HIST(3) y = x = -1 < h = 1
+])
+def test_exact_order_for_k_1_2_3_on_a_prefix_tree(k: int, order: list[str]) -> None:
+    policy = prefix_tree(LRUK(k=k))
+    assert policy.evictable() == order
+    assert [policy.victim() for _ in range(7)] == [*order, None]
+
+
+def test_without_chain_history_new_blocks_start_cold_as_in_the_paper() -> None:
+    policy = prefix_tree(LRUK(k=2, chain_history=False))
+    assert policy.history("q") == (2,) and policy.history("y") == (3,)
+    # Every new block has one reference: the chat turn goes before the one-off prompt (older LAST).
+    assert policy.evictable() == ["q", "y", "x", "s2", "s", "h"]
+
+
+def test_chain_history_applies_only_to_a_block_without_history() -> None:
+    policy = LRUK(k=2, retained_history=4)
+    for now, key in ((1, "p"), (2, "c"), (3, "r"), (5, "p")):
+        policy.touch(key, now)
+    policy.touch("c", 6, parent="p")  # c already has history: its parent changes nothing
+    assert policy.history("c") == (6, 2)
+    policy.release("r")
+    assert policy.victim() == "r"
+    policy.forget("r")
+    policy.touch("r", 7, parent="p")  # re-admitted: its retained history wins over the parent's
+    assert policy.history("r") == (7, 3)
+    policy.touch("n", 7, parent="p")  # p's first child (c and r were not new)
+    assert policy.history("n") == (7, 7 - (7 - 1))
 
 
 def test_k1_is_lru_with_release_order_breaking_ties() -> None:

@@ -256,7 +256,7 @@ class KVCache:
         self._set_idle(entry, -1)
         self._cold.pop(key, None)
         if self.sink is not None:  # the disk tier decides whether the block deserves the disk
-            self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(key)))
+            self.sink.spill(entry, self.entry_payload(entry), self.eviction.uses(key))
         self._clear_positions([entry.k_block])
         self.store.release([entry.k_block, entry.v_block])
         self.eviction.forget(key)
@@ -334,7 +334,7 @@ class KVCache:
                 continue
             self.prefix.insert(CachedBlock(key, parent, block_tokens, seq.k_blocks[b], seq.v_blocks[b]))
             self.store.incref_all([seq.k_blocks[b], seq.v_blocks[b]])
-            self.eviction.touch(key, self._clock)
+            self.eviction.touch(key, self._clock, parent)  # a new block takes its chain's history
             added += 1
         return added
 
@@ -366,7 +366,7 @@ class KVCache:
                 self.scale[:, b * bs:(b + 1) * bs] = scales[i].to(self.kv.device)
         entry = CachedBlock(link.key, link.parent, link.tokens, k_block, v_block)
         self.prefix.insert(entry)
-        self.eviction.touch(link.key, self._clock)
+        self.eviction.touch(link.key, self._clock, link.parent)
         self._mark_evictable(entry)  # the index's reference only: evictable until someone hits it
         return True
 
@@ -376,7 +376,7 @@ class KVCache:
             return 0
         entries = self.prefix.entries()
         for entry in entries:
-            self.sink.spill(entry, self.entry_payload(entry), len(self.eviction.history(entry.key)))
+            self.sink.spill(entry, self.entry_payload(entry), self.eviction.uses(entry.key))
         return len(entries)
 
     # ---- compression (``cache.compress``; ``store`` counts them and their bytes) -------------
