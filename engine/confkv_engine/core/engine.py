@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
 from confkv_engine.core.sequence import SeqStatus, Sequence
+from confkv_engine.model.compiled import compile_elementwise
 from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import decision_interval
@@ -82,6 +84,10 @@ class LLMEngine:
         self.eos_token_ids = tuple(getattr(loaded, "eos_token_ids", ()) or ())
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.compile_seconds: float | None = None  # model.compile: start-up compile time (logged)
+        if config.model.compile:
+            self.compile_seconds = compile_elementwise(
+                self.model, self.dtype, Path(eng.cache_dir) if eng.cache_dir else None)
         spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size,
                          self.dtype, self.device)
         size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
