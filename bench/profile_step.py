@@ -190,12 +190,10 @@ def long_decode(engine: LLMEngine, scenario: str, steps: int, scenarios: Scenari
 
 
 def measure(weights: str, steps: int, scenarios: Scenarios, cache_size: str | None,
-            long: bool = False, compiled: bool = False, min_run_blocks: int | None = None) -> dict[str, Any]:
+            long: bool = False, compiled: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
     engine = build_engine(weights, cache_size, compiled)
     load_s = time.perf_counter() - start
-    if min_run_blocks is not None:  # pool runs attended in place from this many blocks (paged.py)
-        engine.backend.min_run_blocks = min_run_blocks
     out: dict[str, Any] = {"load_s": round(load_s, 2)}
     if getattr(engine, "compile_seconds", None) is not None:  # (an engine before model.compile has none)
         out["compile_s"] = round(engine.compile_seconds, 2)
@@ -236,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the numbers as JSON")
     p.add_argument("--context", type=int, help="long-context decode: prompt tokens per sequence")
     p.add_argument("--batches", default="1,8,32", help="with --context: sequences decoded together")
-    p.add_argument("--min-run-blocks", type=int, help="the paged backend's MIN_RUN_BLOCKS (a huge value: "
-                   "gather everything)")
     p.add_argument("--compile", action="store_true", help="model.compile (elementwise blocks compiled)")
     p.add_argument("--cache-size", help="maxCacheSize (default: 3Gi with --context, else the engine's)")
     args = p.parse_args(argv)
@@ -247,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.context:
         scenarios = {f"decode@{b}": (int(b), args.context) for b in args.batches.split(",")}
         cache_size = cache_size or "3Gi"  # 32 x 2,048 tokens need 1.5 GB in bf16
-    results = {w: measure(w, args.steps, scenarios, cache_size, bool(args.context), args.compile,
-                          args.min_run_blocks) for w in args.weights.split(",")}
+    results = {w: measure(w, args.steps, scenarios, cache_size, bool(args.context), args.compile)
+               for w in args.weights.split(",")}
     print(f"threads={args.threads} cpu={torch.backends.cpu.get_cpu_capability()} context={args.context} "
           f"compile={args.compile} " + " ".join(f"{w}: load {r['load_s']} s, compile {r.get('compile_s')} s"
                                                 for w, r in results.items()))
@@ -256,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"threads": args.threads, "context": args.context,
-                                        "min_run_blocks": args.min_run_blocks, "results": results}, indent=2))
+                                        "compile": args.compile, "results": results}, indent=2))
     return 0
 
 

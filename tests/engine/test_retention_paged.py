@@ -98,39 +98,6 @@ def test_key_only_tier_frees_values(model, cache) -> None:
     cache.free(seq)
 
 
-def test_key_only_rows_read_every_block_through_the_gather(model, cache) -> None:
-    """A decode row with stood-in values never attends pool runs in place (the stand-in lives only in
-    the gathered copy); a FULL row next to it does, and both equal the all-gathered computation."""
-    from confkv_engine.attention.retention import RetentionAttention
-    from confkv_engine.cache.kv_cache import SeqKV
-
-    cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=1.0, medium=0.0, sinks=4, window=CHUNK),
-                          scorer=ScorerConfig(mode="attention"))
-    manager = RetentionManager(cache, 4, cfg, CHUNK)
-    runs, gathered = RetentionAttention(cache, 4), RetentionAttention(cache, 4)
-    runs.min_run_blocks, gathered.min_run_blocks = 1, 10**6
-    seq, state, plain = SeqKV(), manager.new_state(cfg), SeqKV()
-    _run_chunks(model, cache, manager, runs, seq, state, _tokens(160))
-    assert state.n_key > 0
-    with torch.inference_mode():
-        cache.reserve(plain, 64)
-        runs.begin_step([plain], [64], torch.arange(64), [None])
-        model(torch.tensor(_tokens(64, seed=3)), torch.arange(64), runs)
-        runs.end_step()
-        for s in (seq, plain):
-            cache.reserve(s, 1)
-        ids, pos = torch.tensor([5, 6]), torch.tensor([160, 64])
-        hidden = []
-        for backend in (runs, gathered):  # the same step twice: the writes are the same slots and values
-            backend.begin_step([seq, plain], [1, 1], pos, [state, None])
-            hidden.append(model(ids, pos, backend))
-        assert 0 not in runs.decode.runs and 1 in runs.decode.runs
-        runs.end_step()
-    torch.testing.assert_close(hidden[0], hidden[1], atol=1e-5, rtol=1e-5)
-    cache.free(seq)
-    cache.free(plain)
-
-
 def test_null_block_survives_sequences_that_end(model, cache) -> None:
     cfg = RetentionConfig(policy="conf-kv", tiers=TierConfig(high=1.0, medium=0.0, window=CHUNK),
                           scorer=ScorerConfig(mode="attention"))

@@ -1,36 +1,34 @@
 """Paged attention backend: writes a step's k/v into the sequences' slots and attends over them.
 
 ``begin_step`` builds everything that depends only on the batch (write indices, gather plans,
-masks, pool runs) once per step; ``attend`` (called once per layer) is then a handful of tensor
-ops. The step's tokens are the sequences' new tokens flattened in the order given.
+masks) once per step; ``attend`` (called once per layer) is then a handful of tensor ops. The
+step's tokens are the sequences' new tokens flattened in the order given.
 
 - Decode rows (sequences with one new token) are batched: their blocks are gathered, K and V in
-  one ``index_select``, into ``[B, S, Hkv, D]`` (S = longest gathered table x block size) and one
+  one ``index_select``, into ``[B, S, Hkv, D]`` (S = longest table x block size) and one
   ``scaled_dot_product_attention`` call runs with an additive mask hiding each row's unused slots.
   Query heads are grouped by KV head (``[B, Hkv, G, D]``), so GQA never repeats K or V.
-- **Pool runs (CPU).** A long run of a sequence's table whose K blocks and V blocks are each
-  consecutive pool ids (what a prefill chunk's reservation produces) is attended straight from
-  the pool, a view with no copy, and only the rest is gathered; the parts are combined exactly
-  through their log-sum-exp (``partial``). Below ``MIN_RUN_BLOCKS`` blocks a run is gathered: the
-  extra kernel call would cost more than the copy it saves.
 - **Prefill chunks (CPU)** attend their own new keys with the causal kernel (no mask, the upper
-  triangle skipped) and, when the sequence has cached slots, those without any mask; the two
-  parts are combined the same way. Other devices keep one call per chunk over the gathered
-  context with a causal mask in slot space (query t sees the slots below ``slots_before + t + 1``).
-  Positions never enter a mask: RoPE was applied before caching.
+  triangle skipped) and, when the sequence has cached slots, those without any mask; the two parts
+  are combined exactly through their log-sum-exp (``partial``). Other devices keep one call per
+  chunk over the gathered context with a causal mask in slot space (query t sees the slots below
+  ``slots_before + t + 1``). Positions never enter a mask: RoPE was applied before caching.
 - Compressed blocks (negative table entries) are dequantized on read: ``begin_step`` turns each
   table into a ``GatherPlan`` (pool ids with compressed entries pointing at the null block, plus
   per arena the rows and byte addresses to decode), and per layer the gather is one index_select
-  followed by one batched decode per arena that overwrites those rows. Compressed entries never
-  join a pool run.
+  followed by one batched decode per arena that overwrites those rows.
 - No upcast: the CPU flash-attention kernel accumulates bf16 / fp16 inputs in fp32 (as CUDA's
   kernels do), so q, K and V go in as they are stored. Masks are additive (0 / -inf) in the query's
   dtype; boolean 4D masks are avoided (they silently give wrong results in eager attention).
+- Not done, measured: attending runs of a table that are consecutive in the pool straight from
+  the pool (a view, no copy), combined with the gathered rest by log-sum-exp. With the tables
+  chunked prefill produces (runs of one chunk) the extra kernel calls and the combine cost more
+  than the copy they save, at 1, 8 and 32 sequences of 2,048 tokens (docs/performance.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -42,9 +40,6 @@ from confkv_engine.cache.arena import GatherPlan
 from confkv_engine.cache.kv_cache import KVCache, SeqKV, WritePlan
 
 _NEG_INF = float("-inf")
-# Shortest pool run attended in place (blocks). Measured on the development CPU (see
-# docs/performance.md): one more flash call plus the combine costs about what copying 16 blocks does.
-MIN_RUN_BLOCKS = 16
 
 
 class _Mask:
@@ -69,8 +64,7 @@ class PrefillPlan:
 
     index: int  # the sequence's position in the step
     rows: slice
-    k_table: GatherPlan  # the blocks read from the cache (split: cached slots only; else all ctx)
-    v_table: GatherPlan
+    table: GatherPlan  # K blocks then V blocks read from the cache (split: the cached slots' only)
     ctx: int  # slots visible to the last query of the chunk
     cached: int  # slots cached before this chunk
     mask: _Mask | None = None  # [1, 1, G*T, ctx], only without the split kernel
@@ -78,12 +72,11 @@ class PrefillPlan:
 
 @dataclass
 class DecodePlan:
-    """The decode rows' gathered blocks (K rows then V rows) and their pool runs."""
+    """The decode rows' blocks, K rows then V rows, padded to one width."""
 
-    table: GatherPlan  # 2 * B * width blocks
+    table: GatherPlan  # 2 * B * blocks entries
     width: int  # gathered slots per row
     mask: _Mask  # [B, 1, 1, width]
-    runs: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # row -> (k0, v0, slots)
 
 
 class PagedAttention:
@@ -96,7 +89,6 @@ class PagedAttention:
             raise ValueError(f"{num_q_heads} query heads is not a multiple of {spec.num_kv_heads} KV heads")
         self.group = num_q_heads // spec.num_kv_heads
         self.split = partial.available(spec.device)  # part kernels with log-sum-exp exist here
-        self.min_run_blocks = MIN_RUN_BLOCKS
         self._seqs: list[SeqKV] = []
         self._num_new: list[int] = []
 
@@ -123,43 +115,25 @@ class PagedAttention:
 
     def _build_decode(self, seqs: list[SeqKV]) -> DecodePlan:
         bs, pad = self.cache.spec.block_size, self.cache.null_block
-        runs: dict[int, list[tuple[int, int, int]]] = {}
-        k_rows, v_rows, lens = [], [], []
-        for row, s in enumerate(seqs):
-            nb = -(-(s.num_slots + 1) // bs)
-            # The last block (holding the new token) is always gathered: no row is ever all-masked.
-            found = (partial.contiguous_runs(s.k_blocks, s.v_blocks, nb - 1, self.min_run_blocks, pad)
-                     if self.split and self._may_read_pool(row) else [])
-            covered = set()
-            for first, n, k0, v0 in found:
-                covered.update(range(first, first + n))
-                runs.setdefault(row, []).append((k0, v0, n * bs))
-            keep = [j for j in range(nb) if j not in covered]
-            k_rows.append([s.k_blocks[j] for j in keep])
-            v_rows.append([s.v_blocks[j] for j in keep])
-            lens.append(s.num_slots + 1 - bs * len(covered))
-        width = max(len(r) for r in k_rows)
-        table = [b for r in k_rows for b in r + [pad] * (width - len(r))]
-        table += [b for r in v_rows for b in r + [pad] * (width - len(r))]
+        width = max(len(s.k_blocks) for s in seqs)
+        table = [b for s in seqs for b in s.k_blocks + [pad] * (width - len(s.k_blocks))]
+        table += [b for s in seqs for b in s.v_blocks + [pad] * (width - len(s.v_blocks))]
         dev = self.cache.kv.device
         slots = torch.arange(width * bs, device=dev)
-        visible = slots[None, :] < torch.tensor(lens, device=dev)[:, None]
-        return DecodePlan(self.cache.gather_plan(table), width * bs, _Mask(visible[:, None, None, :]), runs)
+        visible = slots[None, :] < torch.tensor([s.num_slots + 1 for s in seqs], device=dev)[:, None]
+        return DecodePlan(self.cache.gather_plan(table), width * bs, _Mask(visible[:, None, None, :]))
 
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
         bs = self.cache.spec.block_size
         ctx, cached = seq.num_slots + n, seq.num_slots
+        nb = -(-(cached if self.split else ctx) // bs)
+        table = self.cache.gather_plan(seq.k_blocks[:nb] + seq.v_blocks[:nb])
         if self.split:
-            nb = -(-cached // bs)
-            return PrefillPlan(index, rows, self.cache.gather_plan(seq.k_blocks[:nb]),
-                               self.cache.gather_plan(seq.v_blocks[:nb]), ctx, cached)
+            return PrefillPlan(index, rows, table, ctx, cached)
         dev = self.cache.kv.device
-        nb = -(-ctx // bs)
         limit = cached + torch.arange(n, device=dev)[:, None]  # [T, 1]
         visible = torch.arange(ctx, device=dev)[None, :] <= limit  # [T, ctx]
-        return PrefillPlan(index, rows, self.cache.gather_plan(seq.k_blocks[:nb]),
-                           self.cache.gather_plan(seq.v_blocks[:nb]), ctx, cached,
-                           _Mask(visible.repeat(self.group, 1)[None, None]))
+        return PrefillPlan(index, rows, table, ctx, cached, _Mask(visible.repeat(self.group, 1)[None, None]))
 
     def end_step(self) -> None:
         """Record the appended slots (after the forward pass succeeded)."""
@@ -192,18 +166,8 @@ class PagedAttention:
         hkv = self.cache.spec.num_kv_heads
         both = self._gather(layer, plan.table).view(2, b, plan.width, hkv, d).transpose(2, 3)
         keys, vals = both[0], self._decode_values(layer, both[1])  # [B, Hkv, S, D]
-        qg = q.view(b, hkv, self.group, d)
-        mask = plan.mask.additive(q.dtype)
-        if not plan.runs:
-            return F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask).reshape(b, hq, d)
-        out, lse = partial.attend_lse(qg, keys, vals, mask)  # [B, Hkv, G, D], [B, Hkv, G]
-        for row, runs in plan.runs.items():
-            pieces = [(out[row], lse[row])]
-            for k0, v0, n in runs:
-                run_out, run_lse = partial.attend_lse(qg[row:row + 1], self._pool_run(layer, k0, n),
-                                                      self._pool_run(layer, v0, n))
-                pieces.append((run_out[0], run_lse[0]))
-            out[row] = partial.combine(pieces)
+        out = F.scaled_dot_product_attention(q.view(b, hkv, self.group, d), keys, vals,
+                                             attn_mask=plan.mask.additive(q.dtype))
         return out.reshape(b, hq, d)
 
     def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -229,29 +193,19 @@ class PagedAttention:
     def _gather_slots(self, layer: int, p: PrefillPlan, n: int) -> tuple[Tensor, Tensor]:
         """Slots ``[0, n)`` of a prefill plan's tables as [1, Hkv, n, D] keys and values."""
         hkv, d = self.cache.spec.num_kv_heads, self.cache.spec.head_dim
-        keys = self._gather(layer, p.k_table).view(-1, hkv, d)[:n].transpose(0, 1)[None]
-        vals = self._gather(layer, p.v_table).view(-1, hkv, d)[:n].transpose(0, 1)[None]
-        return keys, self._prefill_values(layer, p, vals)
+        both = self._gather(layer, p.table).view(2, -1, hkv, d)[:, :n].transpose(1, 2)  # [2, Hkv, n, D]
+        return both[0][None], self._prefill_values(layer, p, both[1][None])
 
-    # ---- reading the pool (one place, so a cache stored in another dtype casts here) ----------
     def _gather(self, layer: int, plan: GatherPlan) -> Tensor:
+        """The plan's blocks of ``layer``: [rows, bs, Hkv, D], a fresh tensor (the one place the pool is
+        read, so a cache stored in another dtype casts here)."""
         return self.cache.gather(layer, plan)
 
-    def _pool_run(self, layer: int, block: int, slots: int) -> Tensor:
-        """``slots`` consecutive pool slots from ``block`` on, as [1, Hkv, slots, D] (a view)."""
-        start = block * self.cache.spec.block_size
-        return self.cache.kv_flat[layer, start:start + slots].transpose(0, 1)[None]
-
     # Hooks for a subclass that stands in for some values (retention's KEY_ONLY tier); the tensors
-    # are fresh gathers, so they may be written in place. Decode values are indexed by slot only in
-    # rows that read nothing from the pool directly (``_may_read_pool``); prefill values hold the
-    # chunk's cached slots (split) or its whole context.
+    # are this layer's fresh gather, so they may be written in place. Prefill values hold
+    # the chunk's cached slots (split kernel) or its whole context (masked call).
     def _decode_values(self, layer: int, vals: Tensor) -> Tensor:  # [B, Hkv, S, D]
         return vals
 
     def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:  # [1, Hkv, n, D]
         return vals
-
-    def _may_read_pool(self, row: int) -> bool:
-        """Whether decode row ``row`` may attend pool runs in place (its values need no stand-in)."""
-        return True

@@ -16,8 +16,7 @@ the same kernel the full cache and StreamingLLM use). Retention adds two things 
   prefix, if any; their V-table
   entries point at the cache's null block) are replaced, in the gathered copy, by the unit's merged
   mean before the fused kernel runs, so the output is sum_FULL p_i v_i + (sum_KEY_ONLY p_j) v_mean
-  with the exact softmax normalisation. A decode row with such slots therefore reads every block
-  through the gather, never a pool run in place.
+  with the exact softmax normalisation.
 
 The ring holds ``interval x num_heads x head_dim`` activations per layer for each scoring
 sequence (transient compute state, like the step's activations; it is not KV and is not counted
@@ -57,17 +56,16 @@ class RetentionAttention(PagedAttention):
 
     def begin_step(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor,
                    states: list[RetainedSequence | None] | None = None) -> None:
-        states = states or [None] * len(seqs)
-        # Set first: building the decode plan asks ``_may_read_pool`` about these rows.
-        self._dec_states = [st for st, n in zip(states, num_new, strict=True) if n == 1]
-        self._states = states
         super().begin_step(seqs, num_new, positions)
+        states = states or [None] * len(seqs)
         pos_cpu = positions.cpu()
         start = 0
         for st, n in zip(states, num_new, strict=True):
             if st is not None:
                 st.on_append(pos_cpu[start:start + n])
             start += n
+        self._dec_states = [states[i] for i in self.decode_index]
+        self._states = states
 
     def _attend_decode(self, layer: int, q: Tensor) -> Tensor:
         for i, st in enumerate(self._dec_states):
@@ -86,10 +84,6 @@ class RetentionAttention(PagedAttention):
             if st is not None and st.n_key:
                 vals[i, :, st.base:st.base + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
         return vals
-
-    def _may_read_pool(self, row: int) -> bool:
-        st = self._dec_states[row]
-        return st is None or not st.n_key  # stood-in values exist only in the gathered copy
 
     def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:
         st = self._states[p.index]
