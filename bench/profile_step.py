@@ -120,8 +120,9 @@ def build_engine(weights: str, cache_size: str | None = None, compiled: bool = F
     return LLMEngine(loaded, config)
 
 
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(length * 1000 + n)
+def prompts(n: int, length: int, vocab: int, run: int) -> list[list[int]]:
+    # Different tokens every run: a repeated prompt would be served from the prefix cache.
+    gen = torch.Generator().manual_seed(length * 1000 + n + 100_003 * (run + 2))
     return [torch.randint(100, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
@@ -129,7 +130,7 @@ def setup(engine: LLMEngine, scenario: str, run: int, scenarios: Scenarios) -> N
     """Queue the scenario's requests; for decode, step until every prompt is prefilled."""
     n, length = scenarios[scenario]
     greedy = SamplingParams(max_tokens=4096 - length, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts(n, length, engine.vocab_size)):
+    for i, prompt in enumerate(prompts(n, length, engine.vocab_size, run)):
         engine.add_request(f"{scenario}-{run}-{i}", prompt, greedy)
     if scenario.startswith("decode"):
         while any(s.num_computed < s.prompt_len for s in engine._seqs.values()):

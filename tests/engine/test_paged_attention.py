@@ -118,13 +118,13 @@ def test_bf16_without_upcast_stays_within_bf16_rounding_of_fp32() -> None:
         backend.end_step()
 
 
-def test_write_plan_is_each_tokens_slot_through_its_table() -> None:
+@pytest.mark.parametrize("num_new", [[3, 1, 6], [1, 1, 1]], ids=["mixed", "decode"])
+def test_write_plan_is_each_tokens_slot_through_its_table(num_new: list[int]) -> None:
     cache, _ = _setup()
     seqs = [SeqKV() for _ in range(3)]
-    for s, n in zip(seqs, [5, 1, 9], strict=True):
+    for s, n in zip(seqs, [5, 1, 8], strict=True):  # one ends on a block boundary
         cache.reserve(s, n)
         cache.commit(s, n)
-    num_new = [3, 1, 6]
     for s, n in zip(seqs, num_new, strict=True):
         cache.reserve(s, n)
     plan = cache.plan_writes(seqs, num_new, torch.arange(sum(num_new)))

@@ -371,7 +371,12 @@ class KVCache:
 
         Python touches only the few table entries each sequence writes into; the per-token slots come
         from a handful of tensor ops (``block[rel // bs] * bs + rel % bs``), whatever the token count."""
-        bs = self.spec.block_size
+        bs, dev = self.spec.block_size, self.kv.device
+        if all(n == 1 for n in num_new):  # decode: one slot per sequence, nothing per token to vectorise
+            k_one = [s.k_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
+            v_one = [s.v_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
+            return self._record(WritePlan(torch.tensor(k_one, device=dev), torch.tensor(v_one, device=dev)),
+                                positions)
         k_rows: list[int] = []
         v_rows: list[int] = []
         first: list[int] = []  # per sequence: where its entries start in k_rows
@@ -387,10 +392,12 @@ class KVCache:
         base = torch.tensor(first, dtype=torch.long) + torch.tensor(lead, dtype=torch.long) - starts
         rel = torch.arange(int(counts.sum())) + torch.repeat_interleave(base, counts)  # [T]
         block, offset = rel // bs, rel % bs
-        dev = self.kv.device
         plan = WritePlan((torch.tensor(k_rows, dtype=torch.long)[block] * bs + offset).to(dev),
                          (torch.tensor(v_rows, dtype=torch.long)[block] * bs + offset).to(dev))
-        self.pos[:, plan.k_index, :] = positions.to(dev, torch.int32)[None, :, None]
+        return self._record(plan, positions)
+
+    def _record(self, plan: WritePlan, positions: Tensor) -> WritePlan:
+        self.pos[:, plan.k_index, :] = positions.to(self.kv.device, torch.int32)[None, :, None]
         return plan
 
     def commit(self, seq: SeqKV, num_new: int) -> None:
