@@ -6,6 +6,9 @@ Scenarios on the embedded model (``builtin:smollm2-135m``), each for the weight 
 - ``decode@32``: 32 such sequences decoded together;
 - ``prefill@512``: one 512-token prompt prefilled in one chunk (the engine's default chunk).
 
+``--context N`` replaces them with long-context decode: ``decode@B`` for each ``--batches`` B,
+sequences whose N-token prompts were prefilled (in the engine's chunks) before the measured steps.
+
 Categories come from ``record_function`` ranges this script wraps around the engine's own
 functions (nothing in the engine is changed): matmuls (every linear layer, the LM head included),
 attention (the backend's ``attend``: KV write, block gather, SDPA), step metadata (the backend's
@@ -16,6 +19,7 @@ per-op cost, so the unprofiled wall time per step is measured separately and sho
 
     python bench/profile_step.py                      # fp32 and bf16, table on stdout
     python bench/profile_step.py --weights auto,int4  # quantized modes (see docs/performance.md)
+    python bench/profile_step.py --weights auto --context 2048 --batches 1,8,32
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / d) for d in ("api", "engine")]
 
-from confkv_api.config import ConfKVConfig  # noqa: E402
+from confkv_api.config import ConfKVConfig, with_overrides  # noqa: E402
 from confkv_engine.core.engine import LLMEngine  # noqa: E402
 from confkv_engine.core.sampling_params import SamplingParams  # noqa: E402
 from confkv_engine.model import llama  # noqa: E402
@@ -46,7 +50,8 @@ from confkv_engine.model.loader import load_model  # noqa: E402
 
 CATEGORIES = ("matmul", "attention", "step metadata", "norm/rope/act", "model other", "sampling",
               "python/scheduling")
-SCENARIOS = {"decode@1": (1, 128), "decode@32": (32, 128), "prefill@512": (1, 512)}
+Scenarios = dict[str, tuple[int, int]]  # name -> (sequences, prompt tokens)
+SCENARIOS: Scenarios = {"decode@1": (1, 128), "decode@32": (32, 128), "prefill@512": (1, 512)}
 
 
 @contextlib.contextmanager
@@ -103,23 +108,29 @@ def exclusive_times(events: Any, labels: set[str]) -> dict[str, float]:
     return totals
 
 
-def build_engine(weights: str) -> LLMEngine:
+def build_engine(weights: str, cache_size: str | None = None, compiled: bool = False) -> LLMEngine:
     dtype = torch.bfloat16 if weights == "bf16" else torch.float32
     extra = {} if weights in ("fp32", "bf16") else {"weights": weights}
     loaded = load_model("builtin:smollm2-135m", dtype, "cpu", **extra)
-    return LLMEngine(loaded, ConfKVConfig())
+    config = ConfKVConfig()
+    if cache_size:
+        config = with_overrides(config, "confkv", max_cache_size=cache_size)
+    if compiled:
+        config = with_overrides(config, "model", compile=True)
+    return LLMEngine(loaded, config)
 
 
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(length * 1000 + n)
+def prompts(n: int, length: int, vocab: int, run: int) -> list[list[int]]:
+    # Different tokens every run: a repeated prompt would be served from the prefix cache.
+    gen = torch.Generator().manual_seed(length * 1000 + n + 100_003 * (run + 2))
     return [torch.randint(100, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def setup(engine: LLMEngine, scenario: str, run: int) -> None:
+def setup(engine: LLMEngine, scenario: str, run: int, scenarios: Scenarios) -> None:
     """Queue the scenario's requests; for decode, step until every prompt is prefilled."""
-    n, length = SCENARIOS[scenario]
+    n, length = scenarios[scenario]
     greedy = SamplingParams(max_tokens=4096 - length, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts(n, length, engine.vocab_size)):
+    for i, prompt in enumerate(prompts(n, length, engine.vocab_size, run)):
         engine.add_request(f"{scenario}-{run}-{i}", prompt, greedy)
     if scenario.startswith("decode"):
         while any(s.num_computed < s.prompt_len for s in engine._seqs.values()):
@@ -133,11 +144,11 @@ def teardown(engine: LLMEngine) -> None:
     engine.step()
 
 
-def timed_steps(engine: LLMEngine, scenario: str, steps: int) -> float:
+def timed_steps(engine: LLMEngine, scenario: str, steps: int, scenarios: Scenarios) -> float:
     """Median unprofiled wall ms of one step."""
     times = []
     for run in range(steps if scenario.startswith("prefill") else 1):
-        setup(engine, scenario, run)
+        setup(engine, scenario, run, scenarios)
         for _ in range(1 if scenario.startswith("prefill") else steps):
             start = time.perf_counter()
             engine.step()
@@ -146,36 +157,61 @@ def timed_steps(engine: LLMEngine, scenario: str, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def profiled_step(engine: LLMEngine, scenario: str, steps: int) -> dict[str, float]:
+def profiled_step(engine: LLMEngine, scenario: str, steps: int, scenarios: Scenarios) -> dict[str, float]:
     """Mean ms per step per category (plus ``step`` total) under the profiler."""
-    setup(engine, scenario, 99)
-    repeat = 1 if scenario.startswith("prefill") else steps
+    setup(engine, scenario, 99, scenarios)
+    ms = profiled(engine, 1 if scenario.startswith("prefill") else steps)
+    teardown(engine)
+    return ms
+
+
+def profiled(engine: LLMEngine, repeat: int) -> dict[str, float]:
     with labelled(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeat):
             with record_function("python/scheduling"):
                 engine.step()
-    teardown(engine)
     ms = {k: v / 1e3 / repeat for k, v in exclusive_times(prof.events(), set(CATEGORIES)).items()}
     ms["step"] = sum(ms.values())
     return ms
 
 
-def measure(weights: str, steps: int) -> dict[str, Any]:
+def long_decode(engine: LLMEngine, scenario: str, steps: int, scenarios: Scenarios) -> dict[str, Any]:
+    """Long-context decode: the prompts are prefilled once (that is the slow part), then a warm-up
+    step, the timed steps and the profiled steps run on the same sequences."""
+    setup(engine, scenario, 0, scenarios)
+    engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    ms = profiled(engine, steps)
+    teardown(engine)
+    return {"wall_ms": sorted(times)[len(times) // 2], "profiled_ms": ms}
+
+
+def measure(weights: str, steps: int, scenarios: Scenarios, cache_size: str | None,
+            long: bool = False, compiled: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
-    engine = build_engine(weights)
+    engine = build_engine(weights, cache_size, compiled)
     load_s = time.perf_counter() - start
     out: dict[str, Any] = {"load_s": round(load_s, 2)}
-    for scenario in SCENARIOS:
-        setup(engine, scenario, -1)  # warm-up
+    if getattr(engine, "compile_seconds", None) is not None:  # (an engine before model.compile has none)
+        out["compile_s"] = round(engine.compile_seconds, 2)
+    for scenario in scenarios:
+        if long:
+            out[scenario] = long_decode(engine, scenario, steps, scenarios)
+            continue
+        setup(engine, scenario, -1, scenarios)  # warm-up
         engine.step()
         teardown(engine)
-        out[scenario] = {"wall_ms": timed_steps(engine, scenario, steps),
-                         "profiled_ms": profiled_step(engine, scenario, steps)}
+        out[scenario] = {"wall_ms": timed_steps(engine, scenario, steps, scenarios),
+                         "profiled_ms": profiled_step(engine, scenario, steps, scenarios)}
     return out
 
 
-def table(results: dict[str, Any]) -> str:
-    cols = [(w, s) for w in results for s in SCENARIOS]
+def table(results: dict[str, Any], scenarios: Scenarios) -> str:
+    cols = [(w, s) for w in results for s in scenarios]
     head = "| ms per step | " + " | ".join(f"{w} {s}" for w, s in cols) + " |"
     lines = [head, "|---" * (len(cols) + 1) + "|"]
     for cat in (*CATEGORIES, "step"):
@@ -197,14 +233,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--steps", type=int, default=10, help="decode steps (prefill runs) measured")
     p.add_argument("--out", type=Path, help="also write the numbers as JSON")
+    p.add_argument("--context", type=int, help="long-context decode: prompt tokens per sequence")
+    p.add_argument("--batches", default="1,8,32", help="with --context: sequences decoded together")
+    p.add_argument("--compile", action="store_true", help="model.compile (elementwise blocks compiled)")
+    p.add_argument("--cache-size", help="maxCacheSize (default: 3Gi with --context, else the engine's)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = {w: measure(w, args.steps) for w in args.weights.split(",")}
-    print(f"threads={args.threads} cpu={torch.backends.cpu.get_cpu_capability()}")
-    print(table(results))
+    scenarios = SCENARIOS
+    cache_size = args.cache_size
+    if args.context:
+        scenarios = {f"decode@{b}": (int(b), args.context) for b in args.batches.split(",")}
+        cache_size = cache_size or "3Gi"  # 32 x 2,048 tokens need 1.5 GB in bf16
+    results = {w: measure(w, args.steps, scenarios, cache_size, bool(args.context), args.compile)
+               for w in args.weights.split(",")}
+    print(f"threads={args.threads} cpu={torch.backends.cpu.get_cpu_capability()} context={args.context} "
+          f"compile={args.compile} " + " ".join(f"{w}: load {r['load_s']} s, compile {r.get('compile_s')} s"
+                                                for w, r in results.items()))
+    print(table(results, scenarios))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+        args.out.write_text(json.dumps({"threads": args.threads, "context": args.context,
+                                        "compile": args.compile, "results": results}, indent=2))
     return 0
 
 

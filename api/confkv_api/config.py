@@ -102,6 +102,9 @@ class ModelSection(_Model):
     # How linear layers are served: auto keeps a GGUF's quantized tensors quantized on CPU
     # (int4 / int8 kernels, bf16 activations where native); fp32 / bf16 expand them (see loader).
     weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
+    # torch.compile of the elementwise blocks at start-up (see model.compiled); off by default: it
+    # costs start-up time and measured no gain on the development CPU (docs/performance.md).
+    compile: bool = False
     max_model_len: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     token_secret_ref: str | None = None
 

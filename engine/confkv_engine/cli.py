@@ -32,6 +32,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "served_aliases": ("model", "served_aliases"),
     "dtype": ("model", "dtype"),
     "weights": ("model", "weights"),
+    "compile": ("model", "compile"),
     "max_model_len": ("model", "max_model_len"),
     "host": ("engine", "host"),
     "port": ("engine", "port"),
@@ -73,6 +74,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
         help="weights and activations dtype (and the KV cache's with --kv-cache-dtype auto)")
     add("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"],
         help="linear layers: auto (default: a quantized GGUF stays quantized on CPU), fp32, bf16, int8, int4")
+    add("--compile", action="store_const", const=True,
+        help="torch.compile the elementwise blocks at start-up (model.compile; compile time is logged)")
     add("--max-model-len", type=int, help="context length cap (default: the model's)")
     add("--max-batch-size", type=int, help="sequences decoded together (default 64)")
     add("--max-num-batched-tokens", type=int, help="token budget of one engine step (default 2048)")
@@ -87,7 +90,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--grpc-socket", metavar="PATH",
         help="absolute path of the gRPC control plane's Unix socket (default engine-PORT.sock in "
              "$XDG_RUNTIME_DIR/confkv, else ~/.cache/confkv)")
-    add("--threads", type=int, help="torch CPU threads (env CONFKV_THREADS; default: all cores)")
+    add("--threads", type=int,
+        help="torch intra-op CPU threads (env CONFKV_THREADS; default: the usable cores, less one "
+             "for the HTTP and control threads from 4 cores on)")
     add("--kv-policy", choices=["full", "streaming", "h2o", "conf-kv"], help="KV retention policy")
     add("--kv-budget", type=float, metavar="F", help="per-sequence KV budget, fraction of the full cache")
     add("--kv-budget-tokens", type=int, metavar="N", help="per-sequence KV budget in tokens")

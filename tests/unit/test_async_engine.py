@@ -6,12 +6,21 @@ The fake engine gives each request one token per step and records which thread c
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from dataclasses import dataclass
 
 import pytest
+import torch
 
-from confkv_engine.core.async_engine import AsyncEngine, EngineUnavailable, QueueFull
+from confkv_engine.core.async_engine import (
+    AsyncEngine,
+    EngineUnavailable,
+    QueueFull,
+    configure_torch_threads,
+    default_threads,
+    usable_cores,
+)
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 
@@ -122,3 +131,19 @@ def test_abandoned_consumer_aborts_the_request() -> None:
 
     asyncio.run(main())
     assert fake.aborted == ["long"]
+
+
+def test_thread_defaults_leave_a_core_to_the_event_loop_from_four_cores() -> None:
+    assert [default_threads(c) for c in (1, 2, 3, 4, 16)] == [1, 2, 3, 3, 15]
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_configure_threads_sets_intra_op_and_refuses_zero(monkeypatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("CONFKV_THREADS", "1")
+        assert configure_torch_threads(None) == 1 and torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="threads must be >= 1"):
+            configure_torch_threads(0)
+    finally:
+        torch.set_num_threads(before)

@@ -1,38 +1,61 @@
 """Paged attention backend: writes a step's k/v into the sequences' slots and attends over them.
 
-``begin_step`` builds everything that depends only on the batch (write indices, block-table
-tensors, additive masks) once per step; ``attend`` (called once per layer) is then a handful of
-tensor ops. The step's tokens are the sequences' new tokens flattened in the order given.
+``begin_step`` builds everything that depends only on the batch (write indices, gather plans,
+masks) once per step; ``attend`` (called once per layer) is then a handful of tensor ops. The
+step's tokens are the sequences' new tokens flattened in the order given.
 
-- Decode rows (sequences with one new token) are batched: their blocks are gathered into
-  ``[B, S, Hkv, D]`` (S = longest table x block size) and one ``scaled_dot_product_attention``
-  call runs with an additive float mask hiding each row's unused slots. Query heads are grouped
-  by KV head (``[B, Hkv, G, D]``), so GQA never repeats K or V.
-- Prefill-chunk rows are handled per sequence with a causal mask in slot space: query t of a
-  chunk sees the slots below ``slots_before + t + 1``. Positions never enter the mask: RoPE was
-  applied before caching.
+- Decode rows (sequences with one new token) are batched: their blocks are gathered, K and V in
+  one ``index_select``, into ``[B, S, Hkv, D]`` (S = longest table x block size) and one
+  ``scaled_dot_product_attention`` call runs with an additive mask hiding each row's unused slots.
+  Query heads are grouped by KV head (``[B, Hkv, G, D]``), so GQA never repeats K or V.
+- **Prefill chunks (CPU)** attend their own new keys with the causal kernel (no mask, the upper
+  triangle skipped) and, when the sequence has cached slots, those without any mask; the two parts
+  are combined exactly through their log-sum-exp (``partial``). Other devices keep one call per
+  chunk over the gathered context with a causal mask in slot space (query t sees the slots below
+  ``slots_before + t + 1``). Positions never enter a mask: RoPE was applied before caching.
 - Compressed blocks (negative table entries) are dequantized on read: ``begin_step`` turns each
   table into a ``GatherPlan`` (pool ids with compressed entries pointing at the null block, plus
   per arena the rows and byte addresses to decode), and per layer the gather is one index_select
-  followed by one batched decode per arena that overwrites those rows. A table without compressed
-  entries costs exactly what it did before.
-- Masks are additive floats (0 / -inf); boolean 4D masks are avoided (they silently give wrong
-  results in eager attention). The softmax is fp32: on CPU half-precision inputs are upcast; CUDA
-  kernels accumulate in fp32 already.
+  followed by one batched decode per arena that overwrites those rows.
+- No upcast: the CPU flash-attention kernel accumulates bf16 / fp16 inputs in fp32 (as CUDA's
+  kernels do), so q, K and V go in as they are stored. Masks are additive (0 / -inf) in the query's
+  dtype; boolean 4D masks are avoided (they silently give wrong results in eager attention).
+- Not done, measured: attending runs of a table that are consecutive in the pool straight from
+  the pool (a view, no copy), combined with the gathered rest by log-sum-exp. With the tables
+  chunked prefill produces (runs of one chunk) the extra kernel calls and the combine cost more
+  than the copy they save, at 1, 8 and 32 sequences of 2,048 tokens (docs/performance.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from confkv_engine.attention import partial
 from confkv_engine.cache.arena import GatherPlan
 from confkv_engine.cache.kv_cache import KVCache, SeqKV, WritePlan
 
 _NEG_INF = float("-inf")
+
+
+class _Mask:
+    """A visibility pattern turned into an additive mask once per query dtype."""
+
+    def __init__(self, visible: Tensor) -> None:
+        self.visible = visible
+        self._by_dtype: dict[torch.dtype, Tensor] = {}
+
+    def additive(self, dtype: torch.dtype) -> Tensor:
+        mask = self._by_dtype.get(dtype)
+        if mask is None:
+            zero = torch.zeros((), dtype=dtype, device=self.visible.device)
+            mask = torch.where(self.visible, zero, torch.full_like(zero, _NEG_INF))
+            self._by_dtype[dtype] = mask
+        return mask
 
 
 @dataclass
@@ -41,10 +64,19 @@ class PrefillPlan:
 
     index: int  # the sequence's position in the step
     rows: slice
-    k_table: GatherPlan  # nb blocks
-    v_table: GatherPlan
-    ctx: int  # slots visible to the last query of the chunk (slice of the gathered blocks)
-    mask: Tensor  # [1, 1, G*T, ctx]
+    table: GatherPlan  # K blocks then V blocks read from the cache (split: the cached slots' only)
+    ctx: int  # slots visible to the last query of the chunk
+    cached: int  # slots cached before this chunk
+    mask: _Mask | None = None  # [1, 1, G*T, ctx], only without the split kernel
+
+
+@dataclass
+class DecodePlan:
+    """The decode rows' blocks, K rows then V rows, padded to one width."""
+
+    table: GatherPlan  # 2 * B * blocks entries
+    width: int  # gathered slots per row
+    mask: _Mask  # [B, 1, 1, width]
 
 
 class PagedAttention:
@@ -56,7 +88,7 @@ class PagedAttention:
         if num_q_heads % spec.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads is not a multiple of {spec.num_kv_heads} KV heads")
         self.group = num_q_heads // spec.num_kv_heads
-        self.upcast = spec.device.type == "cpu" and spec.compute_dtype != torch.float32
+        self.split = partial.available(spec.device)  # part kernels with log-sum-exp exist here
         self._seqs: list[SeqKV] = []
         self._num_new: list[int] = []
 
@@ -76,40 +108,32 @@ class PagedAttention:
         # The engine puts decode rows first; otherwise fall back to an index.
         self.decode_rows: slice | Tensor = (
             slice(0, len(dec)) if dec_rows == list(range(len(dec))) else torch.tensor(dec_rows, device=dev))
-        self._build_decode([seqs[i] for i in dec])
+        self.decode: DecodePlan | None = self._build_decode([seqs[i] for i in dec]) if dec else None
         self.prefills: list[PrefillPlan] = [
             self._build_prefill(i, seqs[i], n, slice(offsets[i], offsets[i + 1]))
             for i, n in enumerate(num_new) if n > 1]
 
-    def _build_decode(self, seqs: list[SeqKV]) -> None:
-        if not seqs:
-            return
-        dev = self.cache.kv.device
+    def _build_decode(self, seqs: list[SeqKV]) -> DecodePlan:
+        bs, pad = self.cache.spec.block_size, self.cache.null_block
         width = max(len(s.k_blocks) for s in seqs)
-        pad = self.cache.null_block
-        self.dec_k_table = self.cache.gather_plan(
-            [b for s in seqs for b in s.k_blocks + [pad] * (width - len(s.k_blocks))])
-        self.dec_v_table = self.cache.gather_plan(
-            [b for s in seqs for b in s.v_blocks + [pad] * (width - len(s.v_blocks))])
-        self.dec_width = width * self.cache.spec.block_size
-        slots = torch.arange(self.dec_width, device=dev)
-        lens = torch.tensor([s.num_slots + 1 for s in seqs], device=dev)
-        self.dec_mask = self._additive(slots[None, :] < lens[:, None])[:, None, None, :]  # [B,1,1,S]
+        table = [b for s in seqs for b in s.k_blocks + [pad] * (width - len(s.k_blocks))]
+        table += [b for s in seqs for b in s.v_blocks + [pad] * (width - len(s.v_blocks))]
+        dev = self.cache.kv.device
+        slots = torch.arange(width * bs, device=dev)
+        visible = slots[None, :] < torch.tensor([s.num_slots + 1 for s in seqs], device=dev)[:, None]
+        return DecodePlan(self.cache.gather_plan(table), width * bs, _Mask(visible[:, None, None, :]))
 
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
+        bs = self.cache.spec.block_size
+        ctx, cached = seq.num_slots + n, seq.num_slots
+        nb = -(-(cached if self.split else ctx) // bs)
+        table = self.cache.gather_plan(seq.k_blocks[:nb] + seq.v_blocks[:nb])
+        if self.split:
+            return PrefillPlan(index, rows, table, ctx, cached)
         dev = self.cache.kv.device
-        ctx = seq.num_slots + n
-        nb = -(-ctx // self.cache.spec.block_size)
-        k_table = self.cache.gather_plan(seq.k_blocks[:nb])
-        v_table = self.cache.gather_plan(seq.v_blocks[:nb])
-        limit = seq.num_slots + torch.arange(n, device=dev)[:, None]  # [T, 1]
-        mask = self._additive(torch.arange(ctx, device=dev)[None, :] <= limit)  # [T, ctx]
-        return PrefillPlan(index, rows, k_table, v_table, ctx, mask.repeat(self.group, 1)[None, None])
-
-    def _additive(self, visible: Tensor) -> Tensor:
-        dtype = torch.float32 if self.upcast else self.cache.spec.compute_dtype
-        zero = torch.zeros((), dtype=dtype, device=visible.device)
-        return torch.where(visible, zero, torch.full((), _NEG_INF, dtype=dtype, device=visible.device))
+        limit = cached + torch.arange(n, device=dev)[:, None]  # [T, 1]
+        visible = torch.arange(ctx, device=dev)[None, :] <= limit  # [T, ctx]
+        return PrefillPlan(index, rows, table, ctx, cached, _Mask(visible.repeat(self.group, 1)[None, None]))
 
     def end_step(self) -> None:
         """Record the appended slots (after the forward pass succeeded)."""
@@ -121,10 +145,10 @@ class PagedAttention:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.cache.write(layer, self.writes, k, v)  # cast to the pool's dtype (kvCacheDtype)
         parts = []
-        if self.num_decode:
+        if self.decode is not None:
             parts.append(self._attend_decode(layer, q[self.decode_rows]))
         for p in self.prefills:
-            parts.append(self._attend_prefill(layer, p, q[p.rows]))
+            parts.append(self._attend_prefill(layer, p, q[p.rows], k[p.rows], v[p.rows]))
         if len(parts) == 1:
             return parts[0]
         out = torch.cat(parts)
@@ -135,35 +159,51 @@ class PagedAttention:
         return torch.empty_like(out).index_copy_(0, order.to(out.device), out)
 
     def _attend_decode(self, layer: int, q: Tensor) -> Tensor:
+        plan = cast(DecodePlan, self.decode)  # attend calls this only when there are decode rows
         b, hq, d = q.shape
         hkv = self.cache.spec.num_kv_heads
-        gather = self.cache.gather
-        keys = gather(layer, self.dec_k_table).view(b, self.dec_width, hkv, d).transpose(1, 2)
-        vals = gather(layer, self.dec_v_table).view(b, self.dec_width, hkv, d).transpose(1, 2)
-        vals = self._decode_values(layer, vals)
-        out = self._sdpa(q.view(b, hkv, self.group, d), keys, vals, self.dec_mask)  # [B, Hkv, G, D]
+        both = self._gather(layer, plan.table).view(2, b, plan.width, hkv, d).transpose(2, 3)
+        keys, vals = both[0], self._decode_values(layer, both[1])  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(q.view(b, hkv, self.group, d), keys, vals,
+                                             attn_mask=plan.mask.additive(q.dtype))
         return out.reshape(b, hq, d)
 
-    def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor) -> Tensor:
+    def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         t, hq, d = q.shape
         hkv, g = self.cache.spec.num_kv_heads, self.group
-        keys = self.cache.gather(layer, p.k_table).view(-1, hkv, d)[: p.ctx].transpose(0, 1)[None]
-        vals = self.cache.gather(layer, p.v_table).view(-1, hkv, d)[: p.ctx].transpose(0, 1)[None]
-        vals = self._prefill_values(layer, p, vals)
+        if p.mask is not None:  # one masked call over the gathered context
+            keys, vals = self._gather_slots(layer, p, p.ctx)
+            qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
+            out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=p.mask.additive(q.dtype))
+            return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+        qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
+        kh = k.repeat_interleave(g, dim=1).transpose(0, 1)[None]
+        vh = v.repeat_interleave(g, dim=1).transpose(0, 1)[None]
+        if not p.cached:
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)[0].transpose(0, 1)
+        own = partial.attend_lse(qh, kh, vh, causal=True)
+        keys, vals = self._gather_slots(layer, p, p.cached)
         qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
-        out = self._sdpa(qg, keys, vals, p.mask)  # [1, Hkv, G*T, D]
-        return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+        old_out, old_lse = partial.attend_lse(qg, keys, vals)  # every cached slot is visible
+        old = (old_out.reshape(1, hq, t, d), old_lse.reshape(1, hq, t))
+        return partial.combine([own, old])[0].transpose(0, 1)
+
+    def _gather_slots(self, layer: int, p: PrefillPlan, n: int) -> tuple[Tensor, Tensor]:
+        """Slots ``[0, n)`` of a prefill plan's tables as [1, Hkv, n, D] keys and values."""
+        hkv, d = self.cache.spec.num_kv_heads, self.cache.spec.head_dim
+        both = self._gather(layer, p.table).view(2, -1, hkv, d)[:, :n].transpose(1, 2)  # [2, Hkv, n, D]
+        return both[0][None], self._prefill_values(layer, p, both[1][None])
+
+    def _gather(self, layer: int, plan: GatherPlan) -> Tensor:
+        """The plan's blocks of ``layer``: [rows, bs, Hkv, D], a fresh tensor (the one place the pool is
+        read, so a cache stored in another dtype casts here)."""
+        return self.cache.gather(layer, plan)
 
     # Hooks for a subclass that stands in for some values (retention's KEY_ONLY tier); the tensors
-    # are fresh gathers, so they may be written in place.
+    # are this layer's fresh gather, so they may be written in place. Prefill values hold
+    # the chunk's cached slots (split kernel) or its whole context (masked call).
     def _decode_values(self, layer: int, vals: Tensor) -> Tensor:  # [B, Hkv, S, D]
         return vals
 
-    def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:  # [1, Hkv, ctx, D]
+    def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:  # [1, Hkv, n, D]
         return vals
-
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        if self.upcast:
-            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
-            return out.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -73,11 +73,11 @@ class RetentionAttention(PagedAttention):
                 st.on_queries(layer, q[i:i + 1])
         return super()._attend_decode(layer, q)
 
-    def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor) -> Tensor:
+    def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         st = self._states[p.index]
         if st is not None and st.wants_probs:
             st.on_queries(layer, q)
-        return super()._attend_prefill(layer, p, q)
+        return super()._attend_prefill(layer, p, q, k, v)
 
     def _decode_values(self, layer: int, vals: Tensor) -> Tensor:
         for i, st in enumerate(self._dec_states):

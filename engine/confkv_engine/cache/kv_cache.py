@@ -426,17 +426,37 @@ class KVCache:
         return table[slots // bs] * bs + slots % bs
 
     def plan_writes(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> WritePlan:
-        """Flat K and V slots of a step's new tokens (reserved already), and record their positions."""
+        """Flat K and V slots of a step's new tokens (reserved already), and record their positions.
+
+        Python touches only the few table entries each sequence writes into; the per-token slots come
+        from a handful of tensor ops (``block[rel // bs] * bs + rel % bs``), whatever the token count."""
         bs, dev = self.spec.block_size, self.kv.device
-        k_idx: list[int] = []
-        v_idx: list[int] = []
+        if all(n == 1 for n in num_new):  # decode: one slot per sequence, nothing per token to vectorise
+            k_one = [s.k_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
+            v_one = [s.v_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
+            return self._record(WritePlan(torch.tensor(k_one, device=dev), torch.tensor(v_one, device=dev)),
+                                positions)
+        k_rows: list[int] = []
+        v_rows: list[int] = []
+        first: list[int] = []  # per sequence: where its entries start in k_rows
+        lead: list[int] = []  # per sequence: offset of its first new slot inside its first entry
         for s, n in zip(seqs, num_new, strict=True):
-            for slot in range(s.num_slots, s.num_slots + n):
-                k_idx.append(s.k_blocks[slot // bs] * bs + slot % bs)
-                v_idx.append(s.v_blocks[slot // bs] * bs + slot % bs)
-        plan = WritePlan(torch.tensor(k_idx, dtype=torch.long, device=dev),
-                         torch.tensor(v_idx, dtype=torch.long, device=dev))
-        self.pos[:, plan.k_index, :] = positions.to(dev, torch.int32)[None, :, None]
+            lo, hi = s.num_slots // bs, -(-(s.num_slots + n) // bs)
+            first.append(len(k_rows) * bs)
+            lead.append(s.num_slots % bs)
+            k_rows.extend(s.k_blocks[lo:hi])
+            v_rows.extend(s.v_blocks[lo:hi])
+        counts = torch.tensor(num_new, dtype=torch.long)
+        starts = torch.cumsum(counts, 0) - counts
+        base = torch.tensor(first, dtype=torch.long) + torch.tensor(lead, dtype=torch.long) - starts
+        rel = torch.arange(int(counts.sum())) + torch.repeat_interleave(base, counts)  # [T]
+        block, offset = rel // bs, rel % bs
+        plan = WritePlan((torch.tensor(k_rows, dtype=torch.long)[block] * bs + offset).to(dev),
+                         (torch.tensor(v_rows, dtype=torch.long)[block] * bs + offset).to(dev))
+        return self._record(plan, positions)
+
+    def _record(self, plan: WritePlan, positions: Tensor) -> WritePlan:
+        self.pos[:, plan.k_index, :] = positions.to(self.kv.device, torch.int32)[None, :, None]
         return plan
 
     def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor) -> None:

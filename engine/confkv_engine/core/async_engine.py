@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from confkv_engine.core.control_api import EngineStats
@@ -43,16 +44,46 @@ class EngineLike(Protocol):
     def stats(self) -> EngineStats: ...
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a pod's
+    ``resources.limits.cpu``; ``os.cpu_count`` reports the node's cores, not the pod's)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit visible
+    return max(1, cores)
+
+
+def default_threads(cores: int) -> int:
+    """Intra-op threads for ``cores`` usable cores. The engine thread runs the model; the event loop
+    (HTTP, SSE, tokenisation) and the gRPC threads mostly wait, but a burst of theirs that preempts
+    an OpenMP worker stalls every barrier of the step, so from 4 cores on one core is left to them.
+    Below that a core is a third or more of the step's compute, worth more than the rare bursts."""
+    return cores - 1 if cores >= 4 else cores
+
+
 def configure_torch_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads from ``threads``, else ``CONFKV_THREADS``, else all cores."""
+    """Set torch's intra-op threads from ``threads``, else ``CONFKV_THREADS``, else
+    ``default_threads(usable_cores())``; inter-op threads are 1 (the engine never forks torch work,
+    and every extra pool thread would compete with the intra-op workers)."""
     import torch
 
     if threads is None:
         env = os.environ.get("CONFKV_THREADS", "").strip()
-        threads = int(env) if env else (os.cpu_count() or 1)
+        threads = int(env) if env else default_threads(usable_cores())
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or inter-op work already ran in this process (tests)
+        log.debug("inter-op threads already fixed at %d", torch.get_num_interop_threads())
     return threads
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
 from confkv_engine.core.sequence import SeqStatus, Sequence
+from confkv_engine.model.compiled import compile_elementwise
 from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import decision_interval
@@ -89,6 +91,10 @@ class LLMEngine:
         # The pool stores K/V at confkv.kvCacheDtype (auto: the model's dtype); attention reads them
         # back in the model's dtype.
         self.cache_dtype = resolve_cache_dtype(config.confkv.kv_cache_dtype, self.dtype)
+        self.compile_seconds: float | None = None  # model.compile: start-up compile time (logged)
+        if config.model.compile:
+            self.compile_seconds = compile_elementwise(
+                self.model, self.dtype, Path(eng.cache_dir) if eng.cache_dir else None)
         spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size,
                          self.cache_dtype, self.device, compute_dtype=self.dtype)
         size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None

@@ -11,6 +11,7 @@ heads, D = head dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -113,22 +114,42 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # One fused kernel (fp32 statistics, as Hugging Face computes them) instead of five ops.
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+@dataclass
+class Elementwise:
+    """The elementwise functions the layers call; ``model.compiled`` swaps in compiled ones.
+    ``None`` means the module-level function (looked up at call time)."""
+
+    norm: Callable[[Tensor, Tensor, float], Tensor] | None = None
+    rope: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+    act: Callable[[Tensor, Tensor], Tensor] | None = None
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: Elementwise | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = ops or Elementwise()
 
     def forward(self, x: Tensor) -> Tensor:
-        # One fused kernel (fp32 statistics, as Hugging Face computes them) instead of five ops.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return (self.ops.norm or rms_norm)(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, ops: Elementwise | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.ops = ops or Elementwise()
         self.nq, self.nkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
         bias = args.attention_bias
         self.q_proj = nn.Linear(args.hidden_size, self.nq * self.d, bias=bias)
@@ -144,21 +165,23 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
         t = x.shape[0]
+        rope = self.ops.rope or apply_rope
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(t, self.nq + 2 * self.nkv, self.d)
-            qk = apply_rope(qkv[:, : self.nq + self.nkv], cos, sin)  # q and k heads rotated together
+            qk = rope(qkv[:, : self.nq + self.nkv], cos, sin)  # q and k heads rotated together
             q, k, v = qk[:, : self.nq], qk[:, self.nq :], qkv[:, self.nq + self.nkv :]
         else:
-            q = apply_rope(self.q_proj(x).view(t, self.nq, self.d), cos, sin)  # [T, Hq, D]
-            k = apply_rope(self.k_proj(x).view(t, self.nkv, self.d), cos, sin)  # [T, Hkv, D]
+            q = rope(self.q_proj(x).view(t, self.nq, self.d), cos, sin)  # [T, Hq, D]
+            k = rope(self.k_proj(x).view(t, self.nkv, self.d), cos, sin)  # [T, Hkv, D]
             v = self.v_proj(x).view(t, self.nkv, self.d)
         out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.nq * self.d))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, ops: Elementwise | None = None) -> None:
         super().__init__()
+        self.ops = ops or Elementwise()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
@@ -169,19 +192,20 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
+        act = self.ops.act or silu_mul
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(act(gate, up))
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, ops: Elementwise | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer)
-        self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer, ops)
+        self.mlp = MLP(args, ops)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
@@ -195,9 +219,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        self.ops = Elementwise()  # shared by every layer: one swap changes them all
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, self.ops) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, self.ops)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
