@@ -38,6 +38,7 @@ from torch import Tensor
 from confkv_engine.attention import partial
 from confkv_engine.cache.arena import GatherPlan
 from confkv_engine.cache.kv_cache import KVCache, SeqKV, WritePlan
+from confkv_engine.cache.layout import as_stored
 
 _NEG_INF = float("-inf")
 
@@ -148,7 +149,9 @@ class PagedAttention:
         if self.decode is not None:
             parts.append(self._attend_decode(layer, q[self.decode_rows]))
         for p in self.prefills:
-            parts.append(self._attend_prefill(layer, p, q[p.rows], k[p.rows], v[p.rows]))
+            # A chunk's own keys and values as the pool holds them (kvCacheDtype), as any later read.
+            own_k, own_v = (as_stored(x[p.rows], self.cache.spec.dtype) for x in (k, v))
+            parts.append(self._attend_prefill(layer, p, q[p.rows], own_k, own_v))
         if len(parts) == 1:
             return parts[0]
         out = torch.cat(parts)

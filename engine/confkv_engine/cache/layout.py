@@ -62,6 +62,18 @@ def to_storage(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.to(dtype)
 
 
+def as_stored(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` [..., D] as a read of it from a pool of ``dtype`` gives it back (in ``x``'s dtype): what
+    attention over freshly computed keys and values must see, so every read has the pool's precision.
+    Free when the pool stores ``x``'s dtype."""
+    if dtype == x.dtype:
+        return x
+    if dtype == torch.int8:
+        codes, scales = int8_rows(x)
+        return (codes.float() * scales.float()[..., None]).to(x.dtype)
+    return to_storage(x, dtype).to(x.dtype)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """Block layout. ``dtype`` is what the pool stores K/V in (``kvCacheDtype``), ``compute_dtype``
