@@ -1,4 +1,5 @@
-"""KV retention quality: perplexity against measured KV bytes, full / streaming / h2o / conf-kv.
+"""KV retention quality: perplexity against measured KV bytes, full / streaming / h2o / conf-kv /
+conf-kv with precision tiers / uniform KIVI-style quantization.
 
 Text: ``'\\n\\n'.join(topics[k] for k in sorted(topics))`` from ``pydoc_data.topics``, tokenized
 without BOS. Test set: tokens [0, 6144) as three 2,048-token windows; perplexity = exp(mean NLL
@@ -16,13 +17,16 @@ perplexity increase against measured bytes is written next to the JSON.
 logprobs, prefill chunk 32); ``--runner offline`` uses ``retention.offline.run_sequence`` on the
 same cache and backend without the scheduler (a cross-check; numbers must agree).
 
-``--compress 8,4,2`` adds rows ``full+int8`` / ``full+int4`` / ``full+int2``: the full cache with every
-block outside the recent window (all but the last 2 blocks, KIVI-style) quantized after every step
-(``LLMEngine.compress``, forced, default groupSize; int2 through the same pass directly), against
-the same policy uncompressed (the ``full`` row); their KiB columns are the sequence's real bytes,
-compressed blocks at their encoded size.
+``--compress 8,4,2`` adds the uniform peers ``kivi-int8`` / ``kivi-int4`` / ``kivi-int2``: the full cache
+with every block outside the recent window (all but the last 2 blocks, KIVI-style) quantized after
+every step (``LLMEngine.compress``, forced, default groupSize; int2 through the same pass directly);
+their byte columns are the sequence's real bytes, compressed blocks at their encoded size, so they
+read as peers at their own measured bytes (they have no budget: ``f`` is ``-``).
 
-    python bench/kv_quality.py --quick --policies full --compress 8,4
+``--tiers int4,int2`` adds ``conf-kv+tiers`` at every budget: conf-kv choosing each token's precision
+(FULL / int4 / int2 / DISCARD, ``retention.precision``) through the same codec.
+
+    python bench/kv_quality.py --quick --policies full,conf-kv,conf-kv+tiers --compress 4,2 --tiers int4,int2
 """
 
 from __future__ import annotations
@@ -79,14 +83,16 @@ def second_half_nll(logprobs: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def make_config(policy: str, f: float | None, args: argparse.Namespace,
-                mode: str | None = None) -> RetentionConfig:
+                mode: str | None = None, precisions: tuple[str, ...] = ()) -> RetentionConfig:
     decay = args.h2o_decay if policy == "h2o" else args.decay
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale,
                               pool=args.pool if policy.startswith("conf-kv") else 1)
     tiers = TierConfig(high=args.high, medium=args.medium, sinks=SERVED.sinks, window=args.window,
-                       window_fraction=args.window_fraction, key_share=args.key_share,
-                       granularity=args.granularity if policy.startswith("conf-kv") else "head")
+                       window_fraction=args.tier_window_fraction if precisions else args.window_fraction,
+                       key_share=args.key_share,
+                       granularity=args.granularity if policy.startswith("conf-kv") else "head",
+                       precisions=precisions, key_only=not precisions, precision_loss=args.tier_loss)
     return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f)
 
 
@@ -172,7 +178,7 @@ def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tu
 def measure(runner, name: str, cfg: RetentionConfig, wins: list[list[int]]) -> dict:
     nll, peaks, means = [], [], []
     t0 = time.time()
-    bits = int(name.split("+int")[1]) if "+int" in name else None
+    bits = int(name.split("kivi-int")[1]) if name.startswith("kivi-int") else None
     for w in wins:
         r = runner.run(cfg, w, bits)
         nll.append(second_half_nll(r["logprobs"], len(w)))
@@ -190,10 +196,13 @@ def plan(args: argparse.Namespace) -> list[tuple[str, float | None, RetentionCon
         budgets = [float(b) for b in args.budgets.split(",")]
     items: list[tuple[str, float | None, RetentionConfig]] = [("full", None, make_config("full", None, args))]
     for bits in (args.compress.split(",") if args.compress else []):
-        items.append((f"full+int{int(bits)}", None, make_config("full", None, args)))
+        items.append((f"kivi-int{int(bits)}", None, make_config("full", None, args)))
+    precisions = tuple(t for t in args.tiers.split(",") if t) if args.tiers else ()
     for f in budgets:
         for p in POLICIES:
             items.append((p, f, make_config(p, f, args)))
+        if precisions:
+            items.append(("conf-kv+tiers", f, make_config("conf-kv", f, args, precisions=precisions)))
         if not args.no_ablations:
             for mode in ABLATIONS:
                 items.append((f"conf-kv[{mode}]", f, make_config("conf-kv", f, args, mode)))
@@ -238,6 +247,10 @@ def plot(rows: list[dict], full: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one 1,024-token window, two budgets")
@@ -259,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scale", type=float, default=ScorerConfig.scale)
     ap.add_argument("--pool", type=int, default=ScorerConfig.pool)
     ap.add_argument("--granularity", default=TierConfig.granularity, help="conf-kv: head | layer | token")
+    ap.add_argument("--tiers", default=None, help="precision tiers of the conf-kv+tiers rows, e.g. int4,int2")
+    ap.add_argument("--tier-loss", type=_floats, default=TierConfig.precision_loss,
+                    help="relative loss of int8,int4,int2 tokens in the budget walk")
+    ap.add_argument("--tier-window-fraction", type=float, default=TierConfig.window_fraction,
+                    help="recent-window share of the budget for the conf-kv+tiers rows")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/kv_quality[_quick|_tune].json)")
     ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",
@@ -288,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.policies.split(",")) if args.policies else None
     rows = []
     for name, f, cfg in plan(args):
-        if wanted and name not in wanted and name != "full" and "+int" not in name:
+        if wanted and name not in wanted and name != "full" and not name.startswith("kivi-"):
             continue
         key = config_key(name, f, cfg, args.quick, args.tune, args.runner)
         if key not in data["results"]:
