@@ -93,6 +93,9 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
                        key_share=args.key_share,
                        granularity=args.granularity if policy.startswith("conf-kv") else "head",
                        precisions=precisions, key_only=not precisions, precision_loss=args.tier_loss)
+    if f is not None and args.budget_basis == "peak":  # f x the window's full cache, at every length
+        size = 1024 if args.quick else 2048
+        return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget_tokens=round(f * size))
     return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f)
 
 
@@ -275,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiers", default=None, help="precision tiers of the conf-kv+tiers rows, e.g. int4,int2")
     ap.add_argument("--tier-loss", type=_floats, default=TierConfig.precision_loss,
                     help="relative loss of int8,int4,int2 tokens in the budget walk")
+    ap.add_argument("--budget-basis", choices=("length", "peak"), default="length",
+                    help="length: f x the full cache at the current length (the served kv_budget); peak: "
+                         "f x the full cache of the whole window at every length (kv_budget_tokens), "
+                         "the basis of the kivi peers' measured bytes")
     ap.add_argument("--tier-window-fraction", type=float, default=TierConfig.window_fraction,
                     help="recent-window share of the budget for the conf-kv+tiers rows")
     ap.add_argument("--out", default=None,
@@ -293,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     suffix = "_quick" if args.quick else ""
     suffix += "_tune" if args.tune else ""
+    suffix += "_peak" if args.budget_basis == "peak" else ""
     out = Path(args.out) if args.out else RESULTS / f"kv_quality{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -314,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             res.update({"f": f, "config": json.loads(json.dumps(asdict(cfg), default=str))})
             data["results"][key] = res
             data["meta"] = {"windows": [len(w) for w in wins], "chunk": CHUNK, "runner": args.runner,
-                            "quick": args.quick, "tune": args.tune, "torch": torch.__version__}
+                            "quick": args.quick, "tune": args.tune, "budget_basis": args.budget_basis,
+                            "torch": torch.__version__}
             out.write_text(json.dumps(data, indent=1))  # checkpoint after every configuration
             print(f"  {name} f={f}: ppl {res['ppl']:.3f} ({res['seconds']} s)", flush=True)
         rows.append(data["results"][key])

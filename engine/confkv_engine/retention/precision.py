@@ -22,8 +22,10 @@ Layout per unit (layer, KV head), all units with the same counts (the pool stays
   confidences sorted high to low, then every unit gives the counts to its own tokens by rank
   (``assign_chain``), so the choice of tokens stays per (layer, KV head). With losses convex along
   the chain (checked by ``TierConfig``), a higher-confidence token never ends below a lower one.
-- *Frozen blocks* are demoted only when the rewritable candidates are all gone: the frozen block
-  with the lowest mean confidence goes one tier down as a whole (re-encoded, or dropped).
+- *Frozen blocks* take part in the same walk as whole blocks: a block's step costs its mean
+  confidence (over its slots in every unit) x the step's weight, and demotes every unit's slots of
+  the block together (re-encoded at fewer bits, or dropped). Without it a budget that stops
+  growing (``kv_budget_tokens``) could only demote the newest tokens once the older ones froze.
 - Sinks, the recent window and a shared prefix stay FULL; demotion is one-way.
 """
 
@@ -102,24 +104,34 @@ def assign_chain(conf: Tensor, tiers: Tensor, eligible: Tensor, counts: list[int
     return out
 
 
-def walk(profile: list[float], counts: list[int], weights: list[float], fits: Callable[[list[int]], bool],
-         ) -> list[int]:
-    """Demote one token at a time until ``fits(counts)``: counts[j] tokens at chain tier j hold the
-    ranks after those of tiers < j in ``profile`` (confidences, high to low); the next demotion is the
-    last token of the tier j minimising profile[rank] x weights[j] (ties: the higher tier)."""
-    counts = list(counts)
-    while not fits(counts):
+def walk(profile: list[float], counts: list[int], weights: list[float],
+         fits: Callable[[list[int], list[int]], bool], block_conf: tuple[float, ...] = (),
+         blocks: tuple[int, ...] = ()) -> tuple[list[int], list[int]]:
+    """Demote one step at a time until ``fits(counts, blocks)``. ``counts[j]`` tokens at chain tier j
+    hold the ranks after those of tiers < j in ``profile`` (confidences, high to low): a token step
+    demotes the last token of tier j, at profile[rank] x weights[j]. ``blocks`` are frozen blocks'
+    chain indices (``len(weights)``: dropped) with mean confidences ``block_conf``: a block step
+    demotes a whole block, at its mean x weights[j]. The cheapest step goes first (ties: tokens, then
+    the higher tier, then the first block)."""
+    counts, frozen = list(counts), list(blocks)
+    while not fits(counts, frozen):
         best, best_key, end = -1, math.inf, 0
         for j, c in enumerate(counts):
             end += c
             if c and profile[end - 1] * weights[j] < best_key:
                 best, best_key = j, profile[end - 1] * weights[j]
+        for i, j in enumerate(frozen):
+            if j < len(weights) and block_conf[i] * weights[j] < best_key:
+                best, best_key = len(counts) + i, block_conf[i] * weights[j]
         if best < 0:
-            return counts
+            break
+        if best >= len(counts):
+            frozen[best - len(counts)] += 1
+            continue
         counts[best] -= 1
         if best + 1 < len(counts):
             counts[best + 1] += 1
-    return counts
+    return counts, frozen
 
 
 def held_bytes(acct: KVAccounting, prefix: int, frozen: list[int], n_full: int, staged: list[int],
@@ -135,11 +147,6 @@ def held_bytes(acct: KVAccounting, prefix: int, frozen: list[int], n_full: int, 
     slots = prefix + len(frozen) * bs + n_full + sum(staged)
     pool = 2 * (acct.blocks(prefix) + acct.blocks(rest)) * acct.half_block_bytes
     return pool + codec + slots * acct.meta_bytes_per_slot + acct.fixed_bytes
-
-
-def frozen_tiers(tiers: Tensor, start: int, end: int, block_size: int) -> list[int]:
-    """Tier of each frozen block in slots [start, end) (the same in every unit)."""
-    return [int(tiers[0, s]) for s in range(start, end, block_size)]
 
 
 def decide_precision(pos: Tensor, tiers: Tensor, conf: Tensor, length: int, prev_length: int,
@@ -163,38 +170,22 @@ def decide_precision(pos: Tensor, tiers: Tensor, conf: Tensor, length: int, prev
     cand = rewritable & ~prot & (out != Tier.DISCARD)
     counts = [equal_count(cand & (out == t)) for t in kept]
     n_prot = equal_count(prot & alive)
-    frozen = frozen_tiers(out, base, frozen_end, acct.block_size)
+    bs = acct.block_size
+    starts = list(range(base, frozen_end, bs))
+    frozen = tuple(int(chain_index(out[0, s], kept)) for s in starts)
 
     def fits(c: list[int], blocks: list[int]) -> bool:
-        return held_bytes(acct, base, blocks, n_prot + c[0], c[1:], kept[1:]) <= target
+        tiers_of = [kept[j] if j < len(kept) else Tier.DISCARD for j in blocks]
+        return held_bytes(acct, base, tiers_of, n_prot + c[0], c[1:], kept[1:]) <= target
 
-    if fits(counts, frozen):
+    if fits(counts, list(frozen)):
         return out
     masked = torch.where(cand, conf, torch.full_like(conf, -math.inf))
     profile = masked.sort(dim=-1, descending=True).values[:, :sum(counts)].mean(0).tolist()
-    new_counts = walk(profile, counts, step_weights(cfg, acct), lambda c: fits(c, frozen))
+    block_conf = tuple(float(conf[:, s:s + bs].mean()) for s in starts)
+    new_counts, new_frozen = walk(profile, counts, step_weights(cfg, acct), fits, block_conf, frozen)
     if new_counts != counts:
         out = assign_chain(conf, out, cand, new_counts, kept)
-    if not fits(new_counts, frozen):
-        out = demote_frozen(out, conf, base, frozen_end, kept, lambda f: fits(new_counts, f),
-                            acct.block_size)
-    return out
-
-
-def demote_frozen(tiers: Tensor, conf: Tensor, base: int, frozen_end: int, kept: list[Tier],
-                  fits: Callable[[list[int]], bool], block_size: int) -> Tensor:
-    """Demote whole frozen blocks one tier at a time (re-encoded lower, then dropped), the lowest mean
-    confidence first, until ``fits(frozen block tiers)``; every unit's slots of a block move together."""
-    out = tiers.clone()
-    starts = list(range(base, frozen_end, block_size))
-    frozen = [int(out[0, s]) for s in starts]
-    means = [float(conf[:, s:s + block_size].mean()) for s in starts]
-    while not fits(frozen):
-        live = [i for i, t in enumerate(frozen) if t != Tier.DISCARD]
-        if not live:
-            break
-        i = min(live, key=lambda k: (means[k], k))
-        j = kept.index(Tier(frozen[i]))
-        frozen[i] = kept[j + 1] if j + 1 < len(kept) else Tier.DISCARD
-        out[:, starts[i]:starts[i] + block_size] = frozen[i]
+    for s, j in zip(starts, new_frozen, strict=True):
+        out[:, s:s + bs] = kept[j] if j < len(kept) else Tier.DISCARD
     return out
