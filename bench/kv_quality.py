@@ -27,6 +27,10 @@ read as peers at their own measured bytes (they have no budget: ``f`` is ``-``).
 (FULL / int4 / int2 / DISCARD, ``retention.precision``) through the same codec.
 
     python bench/kv_quality.py --quick --policies full,conf-kv,conf-kv+tiers --compress 4,2 --tiers int4,int2
+
+The model computes in fp32; the cache is stored in ``--kv-cache-dtype`` (default bfloat16, as a
+served bf16 model stores it), so every row's bytes, the ``full`` reference included, are bf16 pool
+bytes: a low-precision tier is measured against bf16, never against an fp32 cache.
 """
 
 from __future__ import annotations
@@ -102,11 +106,14 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
 class OfflineRunner:
     """Drives each window through the paged cache with ``run_sequence`` (no scheduler)."""
 
-    def __init__(self, loaded) -> None:
+    def __init__(self, loaded, kv_cache_dtype: str) -> None:
         from confkv_engine.cache.kv_cache import CacheSpec, KVCache
+        from confkv_engine.cache.layout import resolve_cache_dtype
 
         a = loaded.model.args
-        spec = CacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, 16, torch.float32, torch.device("cpu"))
+        spec = CacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, 16,
+                         resolve_cache_dtype(kv_cache_dtype, torch.float32), torch.device("cpu"),
+                         compute_dtype=torch.float32)
         self.cache = KVCache.from_budget(spec, 2 * 2048 * spec.block_bytes // 16 + 8 * spec.block_bytes)
         self.loaded = loaded
 
@@ -126,8 +133,9 @@ class EngineRunner:
     """Feeds each window as a prompt (``max_tokens=0``, prompt logprobs) through ``LLMEngine``:
     scheduler, paged cache, retention after every 32-token prefill chunk, as in serving."""
 
-    def __init__(self, loaded) -> None:
+    def __init__(self, loaded, kv_cache_dtype: str) -> None:
         self.loaded = loaded
+        self.kv_cache_dtype = kv_cache_dtype
         self.count = 0
 
     def run(self, cfg: RetentionConfig, tokens: list[int], compress_bits: int | None = None) -> dict:
@@ -137,7 +145,8 @@ class EngineRunner:
 
         engine_section = {"prefillChunk": CHUNK, "maxNumBatchedTokens": CHUNK, "blockSize": 16}
         config = load_config({"engine": engine_section,
-                              "confkv": {"maxCacheSize": str(256 * 2**20)}})  # 2,048 fp32 tokens: 90 MiB
+                              "confkv": {"maxCacheSize": str(256 * 2**20),  # 2,048 fp32 tokens: 90 MiB
+                                         "kvCacheDtype": self.kv_cache_dtype}})
         engine = LLMEngine(self.loaded, config, retention=cfg)
         self.count += 1
         rid = f"kvq-{self.count}"
@@ -173,8 +182,10 @@ def compress_all(engine, bits: int) -> None:
                         cfg.cold_after_seconds, True, limit=engine.cache.pool.num_blocks * 2)
 
 
-def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tune: bool, runner: str) -> str:
-    blob = json.dumps([name, f, asdict(cfg), quick, tune, runner], sort_keys=True, default=str)
+def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tune: bool, runner: str,
+               kv_cache_dtype: str) -> str:
+    blob = json.dumps([name, f, asdict(cfg), quick, tune, runner, kv_cache_dtype], sort_keys=True,
+                      default=str)
     return f"{name}@{f}#{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 
@@ -263,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", help="comma-separated config names to run (default: all)")
     ap.add_argument("--no-ablations", action="store_true", help="skip attention-/sampling-only scoring")
     ap.add_argument("--compress", help="comma-separated bits (8,4,2): full cache with compressed blocks")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16",
+                    choices=("bfloat16", "float16", "float32", "fp8", "int8"),
+                    help="KV pool storage dtype of every row (the model stays fp32); default bfloat16")
     ap.add_argument("--window", type=int, default=SERVED.window or CHUNK)
     ap.add_argument("--window-fraction", type=float, default=TierConfig.window_fraction)
     ap.add_argument("--high", type=float, default=SERVED.confidence_thresholds.high)
@@ -309,21 +323,22 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
     loaded.model.eval()
     wins = windows(pydoc_tokens(loaded.tokenizer), args.quick, args.tune)
-    runner = EngineRunner(loaded) if args.runner == "engine" else OfflineRunner(loaded)
+    runner_type = EngineRunner if args.runner == "engine" else OfflineRunner
+    runner = runner_type(loaded, args.kv_cache_dtype)
     data = load_results(out)
     wanted = set(args.policies.split(",")) if args.policies else None
     rows = []
     for name, f, cfg in plan(args):
         if wanted and name not in wanted and name != "full" and not name.startswith("kivi-"):
             continue
-        key = config_key(name, f, cfg, args.quick, args.tune, args.runner)
+        key = config_key(name, f, cfg, args.quick, args.tune, args.runner, args.kv_cache_dtype)
         if key not in data["results"]:
             res = measure(runner, name, cfg, wins)
             res.update({"f": f, "config": json.loads(json.dumps(asdict(cfg), default=str))})
             data["results"][key] = res
             data["meta"] = {"windows": [len(w) for w in wins], "chunk": CHUNK, "runner": args.runner,
-                            "quick": args.quick, "tune": args.tune, "budget_basis": args.budget_basis,
-                            "torch": torch.__version__}
+                            "kv_cache_dtype": args.kv_cache_dtype, "budget_basis": args.budget_basis,
+                            "quick": args.quick, "tune": args.tune, "torch": torch.__version__}
             out.write_text(json.dumps(data, indent=1))  # checkpoint after every configuration
             print(f"  {name} f={f}: ppl {res['ppl']:.3f} ({res['seconds']} s)", flush=True)
         rows.append(data["results"][key])

@@ -26,7 +26,8 @@ Before the throughput runs, every server gets the same 512-token prompts one at 
 Threads: every peer gets the same torch intra-op thread count (``--threads``, default all cores):
 ``torch.set_num_threads`` in this process for transformers and in-process, CONFKV_THREADS /
 OMP_NUM_THREADS for the server, ``-t`` for llama-server. Repeats are interleaved (every peer at every
-level once per repeat, peer order rotated), and the table shows the median over repeats. On a
+level once per repeat, peer order rotated; each repeat draws new prompts, the same for every peer),
+and the table shows the median over repeats. On a
 machine shared with other work use ``--threads 1``: with oversubscribed cores torch's OpenMP
 threads spin at barriers, and 2 threads measured 10x slower than 1 here (the JSON records the load).
 p99 over at most 32 requests per level is close to the maximum.
@@ -110,10 +111,13 @@ def requests_for(concurrency: int) -> int:
     return 4 if concurrency == 1 else concurrency
 
 
-def make_workload(token_stream: list[int], concurrency: int, args: argparse.Namespace) -> list[peers.Req]:
+def make_workload(token_stream: list[int], concurrency: int, args: argparse.Namespace,
+                  repeat: int = 0) -> list[peers.Req]:
     """Requests for one level: prompt windows of random length at random offsets of the text (after
-    the shared system prompt, which the shared-prefix workload puts first)."""
-    rng = random.Random(args.seed * 1000 + concurrency)
+    the shared system prompt, which the shared-prefix workload puts first). Every repeat draws new
+    windows: with the same prompts again, the second repeat would measure the servers' prompt caches
+    (ours and llama-server's both reuse a previous request's KV), not serving."""
+    rng = random.Random(args.seed * 1000 + concurrency + 7919 * repeat)
     shared = args.workload == "shared-prefix"
     cut = SYSTEM_TOKENS if shared else 0
     system, rest = token_stream[:cut], token_stream[cut:]
@@ -291,8 +295,9 @@ class Bench:
                 for c in self.args.levels:
                     names = list(peer_map)
                     names = names[rep % len(names):] + names[:rep % len(names)]  # rotate the order
+                    reqs = workloads[c] if rep == 0 else make_workload(self.stream, c, self.args, rep)
                     for name in names:
-                        self.measure((name, dtype, c), lambda f=peer_map[name], c=c: f(workloads[c], c))
+                        self.measure((name, dtype, c), lambda f=peer_map[name], c=c, r=reqs: f(r, c))
             self.checkpoint(rep + 1)
 
     def checkpoint(self, repeats_done: int) -> None:

@@ -125,7 +125,7 @@ def policy_change(name: str, view: PolicyView, max_lru_k: int) -> dict[str, Any]
         return {BATCH: max(1, b - max(1, b // 4))} if b > 1 else None
     if name == "raiseLruK":
         return {LRU_K: view.lru_k + 1} if view.lru_k < max_lru_k else None
-    if name == "lowerMaxCacheSize":
+    if name == "lowerMaxCacheSize":  # the engine's kv_bytes_total is in maxCacheSize's unit: -20% exactly
         return {CACHE_SIZE: str(int(view.kv_bytes_total * 0.8))} if view.kv_bytes_total > 0 else None
     if name == "stricterThresholds":
         high = min(0.99, round(view.high + 0.02, 4))

@@ -219,8 +219,11 @@ def check_tiers(tiers: list[str]) -> list[str]:
     return tiers
 
 
+KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
+
+
 class ConfKVSection(_Model):
-    """Cache policy; every field but ``decisionInterval`` is applied live (no restart)."""
+    """Cache policy; every field but ``decisionInterval`` and ``kvCacheDtype`` is applied live."""
 
     kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] = "full"
     confidence_thresholds: ConfidenceThresholds = ConfidenceThresholds()
@@ -245,6 +248,10 @@ class ConfKVSection(_Model):
     warmup: WarmupSection = WarmupSection()
     max_cache_size: str | None = None
     compression: CompressionSection = CompressionSection()
+    # Storage dtype of the whole KV pool, as vLLM's --kv-cache-dtype: auto = model.dtype; fp8 =
+    # float8 e4m3 with a scale of 1.0 (vLLM's default; |x| > 448 saturates); int8 = symmetric codes
+    # with an fp16 scale per token and KV head. Read at start (not live).
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     @field_validator("max_cache_size")
     @classmethod

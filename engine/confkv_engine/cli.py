@@ -44,6 +44,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "grpc_socket": ("engine", "grpc_socket"),
     "cache_dir": ("engine", "cache_dir"),
     "max_cache_size": ("confkv", "max_cache_size"),
+    "kv_cache_dtype": ("confkv", "kv_cache_dtype"),
     "kv_policy": ("confkv", "kv_policy"),
     "kv_budget": ("confkv", "budget"),
     "kv_budget_tokens": ("confkv", "budget_tokens"),
@@ -74,7 +75,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--host", help="listen address (default 127.0.0.1)")
     add("--port", type=int, help="listen port (default 8000)")
     add("--device", choices=["auto", "cpu", "cuda"], help="default auto: cuda when available")
-    add("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and KV cache dtype")
+    add("--dtype", choices=["float32", "bfloat16", "float16"],
+        help="weights and activations dtype (and the KV cache's with --kv-cache-dtype auto)")
     add("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"],
         help="linear layers: auto (default: a quantized GGUF stays quantized on CPU), fp32, bf16, int8, int4")
     add("--max-model-len", type=int, help="context length cap (default: the model's)")
@@ -84,6 +86,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-waiting", type=int, help="requests allowed to wait before new ones get 429 (default 256)")
     add("--max-cache-size",
         help="KV pool size: bytes ('512Mi', '2G') or a fraction of device memory ('80%%')")
+    add("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32", "int8", "fp8"],
+        help="KV pool storage dtype (as vLLM): auto (default) = --dtype; fp8 = float8 e4m3, scale 1.0; "
+             "int8 = symmetric with an fp16 scale per token and KV head")
     add("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (env CONFKV_API_KEY)")
     add("--grpc-socket", metavar="PATH",
         help="absolute path of the gRPC control plane's Unix socket (default engine-PORT.sock in "

@@ -48,6 +48,21 @@ async def _prefill_all(engine: AsyncEngine, prompts: list[list[int]]) -> None:
     await asyncio.gather(*(one(ids) for ids in prompts))
 
 
+def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], None],
+                   name: str) -> asyncio.Future[None]:
+    """Run ``fn`` on a new thread that ends with it; the future resolves on ``loop`` when it returns."""
+    done: asyncio.Future[None] = loop.create_future()
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
 class ServerState:
     """The server's state (``http.app.ServedState``); the engine parts are filled in by the loader thread."""
 
@@ -135,7 +150,11 @@ class ServerState:
         UNAVAILABLE until the engine attaches), then the model load."""
         self.control.start()
         self._loop = asyncio.get_running_loop()
-        self._loader = self._loop.run_in_executor(None, self.load)
+        # Not the default executor: its threads live on, and one that ran torch ops keeps an OpenMP
+        # thread pool. libgomp counts every pool's workers, and once they outnumber the cores it
+        # stops spin-waiting between parallel regions, which made every op of the engine thread
+        # 2-3x slower on a 2-core machine. A thread of its own exits after the load and frees its pool.
+        self._loader = _in_own_thread(self._loop, self.load, "confkv-loader")
 
     async def shutdown(self) -> None:
         self.begin_drain()

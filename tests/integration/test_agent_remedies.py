@@ -222,6 +222,8 @@ def test_vram_breach_compresses_then_lowers_the_cache_size(small_cache: Engine, 
         lowered_seen = time.time()
         lowered = engine.policy()["confkv"]["maxCacheSize"]
         assert int(lowered) == int(total * 0.8)
+        # kv_bytes_total is the pool maxCacheSize sizes (the null block included): the cut is 20%.
+        assert engine.status().kv_bytes_total == int(total * 0.8) // BLOCK_BYTES * BLOCK_BYTES
         log(f"vram: still above the threshold after the cooldown: maxCacheSize -> {lowered} "
             f"(kv_bytes_total {total} -> {engine.status().kv_bytes_total})")
         agent.report("vram", "lowerMaxCacheSize", lowered_seen)  # the second step waits for the 2s cooldown

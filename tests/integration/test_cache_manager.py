@@ -1,11 +1,13 @@
 """The cache manager through real processes: ``confkv serve`` on the embedded model with a cache
 directory; the prefix cache reports hits per request and in GetStatus, Warmup prefills a prompt the
-next request hits, and after a restart on the same directory the prefix comes back from disk."""
+next request hits, raising maxCacheSize over UpdatePolicy grows the pool while a request streams
+(same greedy answer, prefix hits kept), and after a restart on the same directory the prefix comes
+back from disk."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -32,8 +34,8 @@ def _control(sock: Path, method: str, request: object) -> pb.ActionResponse:
         return getattr(pb_grpc.EngineControlStub(channel), method)(request, timeout=120)
 
 
-def _complete(srv: EngineServer, prompt: str) -> dict:
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+def _complete(srv: EngineServer, prompt: str, max_tokens: int = 4, ignore_eos: bool = False) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}
     resp = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -110,6 +112,66 @@ def test_bad_warmup_and_rebuild_requests(server: EngineServer, workdir: Path) ->
     resp = _control(workdir / "e.sock", "RebuildIndex", pb.RebuildIndexRequest())
     assert "rebuilt the disk index" in resp.message
     assert _status(workdir / "e.sock").num_running == 0  # still serving
+
+
+def _update(sock: Path, confkv: dict) -> pb.UpdatePolicyResponse:
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        request = pb.UpdatePolicyRequest(confkv_json=json.dumps(confkv), reason="integration test")
+        return pb_grpc.EngineControlStub(channel).UpdatePolicy(request, timeout=120)
+
+
+def _stream_during(srv: EngineServer, prompt: str, max_tokens: int, change: Callable[[], object]) -> str:
+    """Stream a greedy completion; run ``change`` once its first text arrived; the whole text."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    texts: list[str] = []
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[len("data: "):]).get("choices") or [{}]
+            texts.append(choices[0].get("text", ""))
+            if len(texts) == 1:
+                change()
+    return "".join(texts)
+
+
+def test_raising_max_cache_size_live_grows_the_pool(server: EngineServer, workdir: Path) -> None:
+    sock = workdir / "e.sock"
+    prompt = SYSTEM + "Which component grows the pool?"
+    first = _complete(server, prompt)  # its prefix is cached before the grow
+    counting = "Count the ships:"  # under one block: no prefix hit, the same rows every time
+    reference = _complete(server, counting, 64, ignore_eos=True)["choices"][0]["text"]
+    before = _status(sock)
+    block = before.kv_bytes_total // (before.kv_blocks_total + 1)  # the total includes the null block
+    _update(sock, {"maxCacheSize": str(before.kv_bytes_total)})  # the size in effect: nothing changes
+    assert _status(sock).kv_blocks_total == before.kv_blocks_total
+    seen: list[pb.EngineStatus] = []
+
+    def grow() -> None:
+        _update(sock, {"maxCacheSize": "96Mi"})
+        seen.append(wait_for(lambda: (s := _status(sock)).kv_blocks_total > before.kv_blocks_total and s,
+                             "the grown pool"))
+
+    assert _stream_during(server, counting, 64, grow) == reference
+    grown = seen[0]
+    assert grown.num_running >= 1  # the streaming request was still running after the grow landed
+    size = 96 << 20
+    assert grown.kv_blocks_total == size // block - 1 and grown.kv_bytes_total == size // block * block
+    again = _complete(server, prompt)  # a hit on blocks cached before the grow
+    want = 16 * (first["usage"]["prompt_tokens"] // 16 - 1)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= want
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+    with pytest.raises(grpc.RpcError) as err:
+        _update(sock, {"maxCacheSize": "1000Ti"})
+    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "more than this machine can hold now" in err.value.details() and "bytes" in err.value.details()
+    assert _status(sock).kv_blocks_total == grown.kv_blocks_total
+    # The agent's lowerMaxCacheSize asks for 80% of kv_bytes_total: exactly that, in whole blocks.
+    _update(sock, {"maxCacheSize": str(int(grown.kv_bytes_total * 0.8))})
+    wait_for(lambda: _status(sock).kv_bytes_total == int(grown.kv_bytes_total * 0.8) // block * block,
+             "the 20% cut")
 
 
 def test_after_a_restart_the_prefix_comes_back_from_disk(workdir: Path) -> None:

@@ -32,6 +32,15 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert config.confkv.max_cache_size == "256Mi"
 
 
+def test_kv_cache_dtype_flag_sets_the_confkv_field() -> None:
+    assert _config([]).confkv.kv_cache_dtype == "auto"
+    assert _config(["--kv-cache-dtype", "fp8"]).confkv.kv_cache_dtype == "fp8"
+    assert _config(["--kv-cache-dtype", "int8"]).confkv.kv_cache_dtype == "int8"
+    assert _config(["--dtype", "bfloat16", "--kv-cache-dtype", "float32"]).confkv.kv_cache_dtype == "float32"
+    with pytest.raises(SystemExit):  # not one of the choices: argparse's usage error
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
+
+
 def test_config_directory_and_defaults(tmp_path: Path) -> None:
     (tmp_path / "confkv.json").write_text(json.dumps({"model": {"servedName": "demo"}}))
     assert _config(["--config", str(tmp_path)]).model.served_name == "demo"

@@ -49,6 +49,7 @@ def test_keys_are_camel_case_and_round_trip() -> None:
         ({"alerts": {"vram": {"threshold": 0.9, "for": "five minutes"}}}, "invalid duration"),
         ({"confkv": {"budget": 0.5, "budgetTokens": 512}}, "at most one"),
         ({"engine": {"prefillChunk": 4096, "maxNumBatchedTokens": 2048}}, "prefillChunk"),
+        ({"confkv": {"kvCacheDtype": "int4"}}, "confkv.kvCacheDtype"),
     ],
 )
 def test_bad_documents_name_the_problem(data: dict, needle: str) -> None:

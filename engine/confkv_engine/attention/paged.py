@@ -56,7 +56,7 @@ class PagedAttention:
         if num_q_heads % spec.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads is not a multiple of {spec.num_kv_heads} KV heads")
         self.group = num_q_heads // spec.num_kv_heads
-        self.upcast = spec.device.type == "cpu" and spec.dtype != torch.float32
+        self.upcast = spec.device.type == "cpu" and spec.compute_dtype != torch.float32
         self._seqs: list[SeqKV] = []
         self._num_new: list[int] = []
 
@@ -107,7 +107,7 @@ class PagedAttention:
         return PrefillPlan(index, rows, k_table, v_table, ctx, mask.repeat(self.group, 1)[None, None])
 
     def _additive(self, visible: Tensor) -> Tensor:
-        dtype = torch.float32 if self.upcast else self.cache.spec.dtype
+        dtype = torch.float32 if self.upcast else self.cache.spec.compute_dtype
         zero = torch.zeros((), dtype=dtype, device=visible.device)
         return torch.where(visible, zero, torch.full((), _NEG_INF, dtype=dtype, device=visible.device))
 
@@ -119,9 +119,7 @@ class PagedAttention:
 
     # ---- per layer -----------------------------------------------------------------------------
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        flat = self.cache.kv_flat[layer]  # [NB*bs, Hkv, D]
-        flat.index_copy_(0, self.writes.k_index, k)
-        flat.index_copy_(0, self.writes.v_index, v)
+        self.cache.write(layer, self.writes, k, v)  # cast to the pool's dtype (kvCacheDtype)
         parts = []
         if self.num_decode:
             parts.append(self._attend_decode(layer, q[self.decode_rows]))

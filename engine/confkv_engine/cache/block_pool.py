@@ -7,7 +7,8 @@ returns memory usable for anything).
 
 Order is deterministic so tests (and the eviction work that builds on it) can assert exact ids:
 ``allocate`` pops from the head of the free queue; a block whose reference count drops to zero is
-appended to the tail, in the order given to ``free``. Initially the queue is ``0, 1, ..., n-1``.
+appended to the tail, in the order given to ``free``. Initially the queue is ``0, 1, ..., n-1``;
+``grow`` appends the new ids ``n, n+1, ...`` to its tail (existing ids and counts never change).
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ class BlockPool:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free.append(b)
+
+    def grow(self, num_blocks: int) -> None:
+        """Extend the pool to ``num_blocks`` ids; the new ones join the tail of the free queue."""
+        if num_blocks < self.num_blocks:
+            raise ValueError(f"a block pool cannot grow from {self.num_blocks} to {num_blocks} blocks")
+        self._free.extend(range(self.num_blocks, num_blocks))
+        self._ref.extend([0] * (num_blocks - self.num_blocks))
+        self.num_blocks = num_blocks
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]

@@ -51,7 +51,9 @@ class KVCache(Protocol):
 
 
 def _specs(cache: KVCache, bits: int, group: int) -> tuple[CodecSpec, CodecSpec]:
-    return block_codecs(cache.spec.block_size, cache.spec.num_kv_heads, cache.spec.head_dim, bits, group)
+    spec = cache.spec
+    return block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, bits, group,
+                        cache.kv.element_size())
 
 
 def compress_cold_entries(cache: KVCache, bits: int, group: int, cold_after: float,
@@ -106,6 +108,10 @@ def compress_block(cache: KVCache, kind: str, block: int, holders: list[Holder],
     prefix entry, if any); returns 1 when it was compressed, 0 when it is left as it is."""
     refs = len(holders) + (entry is not None)
     if block < 0 or block == cache.null_block or refs == 0 or cache.pool.ref_count(block) != refs:
+        return 0
+    if spec.nbytes >= cache.store.host_bytes:  # e.g. int8 codes of an fp8 pool: nothing to gain
+        return 0
+    if cache.kv.dtype == torch.int8:  # its blocks are codes already (their scales live beside them)
         return 0
     first_pos = _consecutive_start(cache, block) if kind == "k" else None
     if kind == "k" and first_pos is None:

@@ -7,7 +7,8 @@ rewrite a sequence by a plan (``rewrite``), the scheduler asks it to reserve and
 Layout:
 
 - **One pool of blocks** (``BlockPool``). A block is ``block_size`` token slots for *one* of K or V,
-  over all layers: ``kv[L, num_blocks, block_size, Hkv, D]`` (model dtype). A sequence holds a K
+  over all layers: ``kv[L, num_blocks, block_size, Hkv, D]`` (the cache dtype: ``CacheSpec.dtype``,
+  ``kvCacheDtype``; writes cast to it, reads cast back to the compute dtype). A sequence holds a K
   block table and a separate V block table drawn from the same pool, so dropping a token's V
   (KEY_ONLY) returns whole V blocks that are then usable as K or V by anyone. Full-cache cost:
   2 blocks per ``block_size`` tokens.
@@ -44,6 +45,7 @@ from confkv_engine.cache.arena import CompressedStore, GatherPlan
 from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
 from confkv_engine.cache.compress import compress_cold_entries, compress_seq_blocks
 from confkv_engine.cache.eviction import LRUK
+from confkv_engine.cache.growth import grow_pool
 from confkv_engine.cache.layout import (
     CPU_AVAILABLE_CAP,
     DEFAULT_CPU_CACHE_BYTES,
@@ -51,9 +53,13 @@ from confkv_engine.cache.layout import (
     CompressResult,
     SeqKV,
     WritePlan,
+    int8_rows,
     resolve_cache_bytes,
+    to_storage,
 )
 from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
+from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad, chain_links
+from confkv_engine.cache.rewrite import rewrite_seq
 
 __all__ = ["CPU_AVAILABLE_CAP", "DEFAULT_CPU_CACHE_BYTES", "CacheSpec", "CompressResult", "EvictionSink",
            "KVCache", "SeqKV", "WritePlan", "resolve_cache_bytes"]
@@ -64,7 +70,9 @@ class EvictionSink(Protocol):
 
     def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
 
-    def load_chain(self, cache: KVCache, tokens: list[int], have: list[CachedBlock], max_blocks: int) -> int:
+    def start_load(self, links: list[ChainLink], shape: tuple[int, ...], dtype: torch.dtype,
+                   scale_shape: tuple[int, ...] | None = None) -> ChainLoad | None:
+        """Start reading ``links`` back off the engine thread (``readback``); None: nothing to read."""
         ...
 
 
@@ -75,7 +83,11 @@ class KVCache:
         besides the tokens (model, dtype), so two models never share an entry."""
         self.spec = spec
         self.pool = BlockPool(num_blocks)
-        salt = None if prefix_salt is None else prefix_salt + f"|{spec.dtype}|{spec.block_size}".encode()
+        # The stored bytes depend on the storage dtype and, when it differs, on the dtype K/V were
+        # computed in (a bf16 pool of an fp32 model holds other values than one of a bf16 model).
+        computed = "" if spec.compute_dtype == spec.dtype else f"|{spec.compute_dtype}"
+        layout = f"|{spec.dtype}{computed}|{spec.block_size}".encode()
+        salt = None if prefix_salt is None else prefix_salt + layout
         self.prefix = None if salt is None else PrefixIndex(salt)
         self.eviction = LRUK(eviction_k)
         self.hits = HitCounter()
@@ -86,8 +98,14 @@ class KVCache:
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
         self.kv_flat = self.kv.view(spec.num_layers, num_blocks * bs, h, d)
+        # What retention's rewrite moves: float8 lacks indexing kernels on some devices, so a
+        # one-byte pool moves its bytes (the same values).
+        self._kv_moved = self.kv_flat.view(torch.uint8) if self.kv.element_size() == 1 else self.kv_flat
         self.pos = torch.full((spec.num_layers, num_blocks * bs, h), -1, dtype=torch.int32,
                               device=spec.device)
+        # An int8 pool's fp16 scale of every (layer, slot, KV head); None for float pools.
+        self.scale = (torch.ones((spec.num_layers, num_blocks * bs, h), dtype=torch.float16,
+                                 device=spec.device) if spec.dtype == torch.int8 else None)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
         self.store = CompressedStore(self.kv, self.pool)
@@ -124,7 +142,20 @@ class KVCache:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.spec.block_bytes
+        """The pool's bytes in effect, the null block included: what ``maxCacheSize`` sizes (at
+        start-up and live), so a client that sets ``maxCacheSize`` from this figure (the agent's
+        lowerMaxCacheSize: 80% of it) gets exactly that size, rounded down to whole blocks."""
+        return (self.num_blocks + 1) * self.spec.block_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the pool tensors (retired blocks included: they stay allocated)."""
+        return self.pool.num_blocks * self.spec.block_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Pool bytes the cache keeps for itself (the null block): neither used nor free."""
+        return self.spec.block_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -135,20 +166,20 @@ class KVCache:
         """Pool bytes holding nothing a running request needs: free, evictable and retired blocks."""
         return (self.num_free + len(self.retired)) * self.spec.block_bytes
 
-    def resize(self, num_blocks: int) -> int:
-        """Live size change to ``num_blocks`` usable blocks, within the pool allocated at start: lowering
-        evicts cached blocks first and retires free ones; raising gives retired blocks back. Raises
-        ValueError, changing nothing, when running requests hold more or the pool is smaller.
-        Returns the usable blocks now."""
-        physical = self.pool.num_blocks - 1
-        if num_blocks > physical:
-            allocated = physical * self.spec.block_bytes
-            raise ValueError(f"the pool was allocated with {physical} blocks ({allocated} bytes); "
-                             f"a larger maxCacheSize needs a restart")
+    def resize(self, num_blocks: int, memory_limit: int | None = None) -> int:
+        """Live size change to ``num_blocks`` usable blocks. Lowering evicts cached blocks first and
+        retires free ones; raising gives retired blocks back, then grows the pool (``growth``: ids,
+        tables, prefix entries and arenas stay valid; the new ids join the free queue before the
+        retired ones) within ``memory_limit`` bytes (None: what the machine can give a pool now).
+        Raises ValueError,
+        changing nothing, when running requests hold more or the machine cannot hold the pool.
+        Returns the usable blocks now. Call it between two steps (the engine holds its lock)."""
         held = self.num_blocks - self.num_free  # blocks running requests hold
         if num_blocks < max(held, 2):
             raise ValueError(f"running requests hold {held * self.spec.block_bytes} bytes "
                              f"({held} blocks), more than the new size allows ({num_blocks} blocks)")
+        if num_blocks > self.pool.num_blocks - 1:
+            grow_pool(self, num_blocks + 1, memory_limit)  # then the retired blocks come back
         while self.num_blocks > num_blocks:
             self.retired.extend(self._allocate(1))
         if self.num_blocks < num_blocks:
@@ -232,16 +263,36 @@ class KVCache:
 
     # ---- prefix cache ------------------------------------------------------------------------
     def match(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
-        """The cached blocks covering the longest prefix of ``tokens``. Nothing is shared yet; blocks
-        the disk tier holds beyond the in-memory hit are read back as evictable entries first."""
+        """The cached blocks covering the longest prefix of ``tokens``. Nothing is shared yet; what the
+        disk tier holds beyond it comes back through ``request_load`` / ``install_load``."""
         if self.prefix is None or max_blocks <= 0:
             return []
-        found = self.prefix.match(tokens, self.spec.block_size, max_blocks)
-        more = min(max_blocks, len(tokens) // self.spec.block_size) > len(found)
-        if self.sink is not None and more:
-            if self.sink.load_chain(self, tokens, found, max_blocks):
-                found = self.prefix.match(tokens, self.spec.block_size, max_blocks)
-        return found
+        return self.prefix.match(tokens, self.spec.block_size, max_blocks)
+
+    def request_load(self, tokens: list[int], found: list[CachedBlock], max_blocks: int) -> ChainLoad | None:
+        """Ask the disk tier to read back the blocks continuing ``found`` (a ``match``) over ``tokens``,
+        up to ``max_blocks`` blocks in all; None when there is none to read (see ``readback``)."""
+        spec = self.spec
+        stop = min(max_blocks, len(found) + MAX_LOAD_BLOCKS, len(tokens) // spec.block_size)
+        if self.sink is None or self.prefix is None or stop <= len(found):
+            return None
+        links = chain_links(tokens, len(found), stop, found[-1].key if found else None, self.prefix.salt,
+                            spec.block_size, self.prefix)
+        shape = (2, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        scale_shape = None if self.scale is None else shape[:-1]
+        return self.sink.start_load(links, shape, spec.dtype, scale_shape)
+
+    def install_load(self, load: ChainLoad) -> int:
+        """Insert a finished load's blocks as evictable cached entries, in chain order, up to the first
+        block that is neither cached nor loaded (or when no block is free); returns blocks inserted."""
+        inserted = 0
+        for link in load.links:
+            if self.prefix is not None and link.key in self.prefix:
+                continue
+            if not self._insert_pair(link, load):
+                break
+            inserted += 1
+        return inserted
 
     def evictable_among(self, entries: list[CachedBlock]) -> int:
         """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
@@ -289,25 +340,33 @@ class KVCache:
 
     def entry_payload(self, entry: CachedBlock) -> bytes:
         """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
-        pair = torch.stack([self.store.block_data(entry.k_block), self.store.block_data(entry.v_block)])
-        return pair.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        blocks = (entry.k_block, entry.v_block)
+        pair = [self.store.block_data(b).contiguous().view(torch.uint8) for b in blocks]
+        payload = torch.stack(pair).cpu().numpy().tobytes()
+        if self.scale is not None:  # then the blocks' scales, [L, bs, Hkv] fp16 each
+            payload += b"".join(self._block_scales(b).cpu().numpy().tobytes() for b in blocks)
+        return payload
 
-    def load_entry(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], payload: bytes) -> bool:
-        """Insert a block pair read back from the disk tier as an evictable cached entry; False when
-        the payload does not fit this cache's layout or no block is free (nothing changes then)."""
-        if self.prefix is None or key in self.prefix:
+    def _block_scales(self, block: int) -> Tensor:
+        bs = self.spec.block_size
+        return self.scale[:, block * bs:(block + 1) * bs].contiguous()
+
+    def _insert_pair(self, link: ChainLink, load: ChainLoad) -> bool:
+        """One loaded block pair as an evictable entry; False when it was not loaded or no block is free."""
+        pair = load.pairs.get(link.key)
+        if pair is None or self.prefix is None or not self.can_allocate(2):
             return False
-        shape = (2, self.spec.num_layers, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        elem = torch.empty((), dtype=self.spec.dtype).element_size()
-        if len(payload) != elem * int(torch.tensor(shape).prod()) or not self.can_allocate(2):
-            return False
-        pair = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.spec.dtype).view(shape)
         k_block, v_block = self._allocate(2)
-        self.kv[:, k_block] = pair[0].to(self.kv.device)
-        self.kv[:, v_block] = pair[1].to(self.kv.device)
-        entry = CachedBlock(key, parent, tokens, k_block, v_block)
+        data, scales = pair
+        self.kv[:, k_block] = data[0].to(self.kv.device)
+        self.kv[:, v_block] = data[1].to(self.kv.device)
+        if self.scale is not None and scales is not None:
+            bs = self.spec.block_size
+            for i, b in enumerate((k_block, v_block)):
+                self.scale[:, b * bs:(b + 1) * bs] = scales[i].to(self.kv.device)
+        entry = CachedBlock(link.key, link.parent, link.tokens, k_block, v_block)
         self.prefix.insert(entry)
-        self.eviction.touch(key, self._clock)
+        self.eviction.touch(link.key, self._clock)
         self._mark_evictable(entry)  # the index's reference only: evictable until someone hits it
         return True
 
@@ -380,6 +439,22 @@ class KVCache:
         self.pos[:, plan.k_index, :] = positions.to(dev, torch.int32)[None, :, None]
         return plan
 
+    def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor) -> None:
+        """Store a step's new keys and values [T, Hkv, D] (compute dtype) in layer ``layer``'s slots,
+        cast to the pool's dtype."""
+        flat = self.kv_flat[layer]
+        if self.scale is not None:  # int8: each (token, head) row with its own scale
+            for index, x in ((plan.k_index, k), (plan.v_index, v)):
+                codes, scales = int8_rows(x)
+                flat.index_copy_(0, index, codes)
+                self.scale[layer].index_copy_(0, index, scales)
+            return
+        k, v = to_storage(k, flat.dtype), to_storage(v, flat.dtype)
+        if flat.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
+            flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        flat.index_copy_(0, plan.k_index, k)
+        flat.index_copy_(0, plan.v_index, v)
+
     def commit(self, seq: SeqKV, num_new: int) -> None:
         """Record that ``num_new`` tokens were appended (after the forward pass succeeded)."""
         seq.num_slots += num_new
@@ -404,9 +479,10 @@ class KVCache:
         return self.store.plan(table, self.null_block, self.kv.device)
 
     def gather(self, layer: int, plan: GatherPlan) -> Tensor:
-        """Layer ``layer`` of the planned blocks: [len(table), bs, Hkv, D] in the cache dtype, compressed
-        blocks dequantized (a fresh tensor: callers may write it)."""
-        return self.store.gather(self.kv[layer], layer, plan)
+        """Layer ``layer`` of the planned blocks: [len(table), bs, Hkv, D] in the compute dtype
+        (``spec.compute_dtype``), compressed blocks dequantized (a fresh tensor: callers may write it)."""
+        scales = None if self.scale is None else self.scale[layer].view(self.kv.shape[1:4])
+        return self.store.gather(self.kv[layer], layer, plan, self.spec.compute_dtype, scales)
 
     def read_table(self, table: list[int], layer: int, num_slots: int,
                    plan: GatherPlan | None = None) -> Tensor:
@@ -421,46 +497,7 @@ class KVCache:
         first ``base`` slots (a shared prefix, whole blocks) must be listed in place and are left
         untouched; slots ``[base, base + n_key)`` keep only their keys (V-table entries wholly inside
         become the null block). Tail blocks go back to the pool now; returns blocks freed (net)."""
-        spec, dev, bs = self.spec, self.kv.device, self.spec.block_size
-        n_new = order.shape[-1]
-        if base % bs or any(self.store.ref(b) > 1 or b < 0 for b in seq.k_blocks[base // bs:]):
-            raise ValueError("retention may rewrite only a sequence's private blocks after its prefix")
-        src = order[..., base:].to(dev)
-        layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
-        head = torch.arange(spec.num_kv_heads, device=dev)[None, :, None]
-        k_src = self.slot_index(seq.k_blocks, src)
-        keys, pos = self.kv_flat[layer, k_src, head], self.pos[layer, k_src, head]
-        vals = self.kv_flat[layer, self.slot_index(seq.v_blocks, src[..., n_key:]), head]
-        held_before = self.held_blocks(seq)
-
-        nb = -(-n_new // bs)
-        tail_k, tail_v = seq.k_blocks[nb:], seq.v_blocks[nb:]
-        del seq.k_blocks[nb:], seq.v_blocks[nb:]
-        self._clear_positions(tail_k)
-        self.store.release(tail_k + [b for b in tail_v if b != self.null_block])
-        self._set_null_entries(seq, base // bs, (base + n_key) // bs)
-
-        dst = torch.arange(base, n_new, device=dev).expand_as(src)
-        k_dst = self.slot_index(seq.k_blocks, dst)
-        self.kv_flat[layer, k_dst, head] = keys
-        self.kv_flat[layer, self.slot_index(seq.v_blocks, dst[..., n_key:]), head] = vals
-        self.pos[layer, k_dst, head] = pos
-        if n_new < nb * bs:  # the rest of the last block is empty now
-            rest = self.slot_index(seq.k_blocks, torch.arange(n_new, nb * bs, device=dev))
-            self.pos[:, rest, :] = -1
-        seq.num_slots = n_new
-        return held_before - self.held_blocks(seq)
-
-    def _set_null_entries(self, seq: SeqKV, start: int, hole: int) -> None:
-        """V-table entries in ``[start, hole)`` become the null block; those after it real blocks."""
-        for i in range(start, len(seq.v_blocks)):
-            block = seq.v_blocks[i]
-            is_null = block == self.null_block
-            if i < hole and not is_null:
-                self.store.release([block])
-                seq.v_blocks[i] = self.null_block
-            elif i >= hole and is_null:
-                seq.v_blocks[i] = self._allocate(1)[0]
+        return rewrite_seq(self, seq, order, n_key, base)
 
 
 def _handles(entry: CachedBlock) -> int:

@@ -21,21 +21,75 @@ DEFAULT_CPU_CACHE_BYTES = 1 << 30
 CPU_AVAILABLE_CAP = 0.5
 CUDA_FREE_CAP = 0.9
 
+# ``confkv.kvCacheDtype`` -> the pool's storage dtype ("auto" is the model's dtype). fp8 is e4m3 with
+# a per-tensor scale of 1.0, vLLM's default: finite values up to 448, beyond it they saturate. int8
+# is symmetric with one fp16 scale per (layer, slot, KV head), kept beside the positions: a token's
+# head row is quantized on its own when written, so nothing is re-quantized later.
+CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+STORAGE_DTYPES = tuple(CACHE_DTYPES.values())
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+INT8_LEVELS = 127
+
+
+def resolve_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's storage dtype for a ``kvCacheDtype`` value (validated by the config already)."""
+    if name == "auto":
+        return model_dtype
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"kvCacheDtype {name!r} is not supported by this engine; "
+                         f"use auto or one of {', '.join(CACHE_DTYPES)}")
+    return CACHE_DTYPES[name]
+
+
+def int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., D] -> int8 codes [..., D] and fp16 scales [...] (rounded up: |x| / scale <= 127), so
+    every element decodes within scale / 2. Scales are capped at fp16's largest value."""
+    wanted = x.float().abs().amax(-1) / INT8_LEVELS
+    scales = wanted.clamp(max=65504.0).half()
+    scales = torch.where(scales.float() < wanted, torch.nextafter(scales, torch.full_like(scales, torch.inf)),
+                         scales).clamp(max=65504.0)
+    safe = torch.where(scales > 0, scales.float(), torch.ones_like(wanted))
+    codes = torch.round(x.float() / safe[..., None]).clamp_(-INT8_LEVELS, INT8_LEVELS)
+    return codes.to(torch.int8), scales
+
+
+def to_storage(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` cast to the pool's dtype; fp8 saturates at +-448 on every device (a plain cast may give
+    nan on some), since keys and values beyond it are rare and a clipped one is still finite."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
 
 @dataclass(frozen=True)
 class CacheSpec:
+    """Block layout. ``dtype`` is what the pool stores K/V in (``kvCacheDtype``), ``compute_dtype``
+    what attention reads them as (the model's dtype; default: ``dtype``)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
     device: torch.device
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"the KV pool stores {', '.join(map(str, STORAGE_DTYPES))}, not {self.dtype}")
+        if self.compute_dtype is None:
+            object.__setattr__(self, "compute_dtype", self.dtype)
+        if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"attention computes in float32, bfloat16 or float16, not {self.compute_dtype}")
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block (K or V for block_size tokens over all layers) incl. position metadata."""
+        """Bytes of one block (K or V for block_size tokens over all layers) incl. position metadata
+        (and an int8 pool's scales)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_slot = self.num_layers * self.num_kv_heads * (self.head_dim * elem + 4)
+        scale = 2 if self.dtype == torch.int8 else 0
+        per_slot = self.num_layers * self.num_kv_heads * (self.head_dim * elem + scale + 4)
         return per_slot * self.block_size
 
 
@@ -44,29 +98,49 @@ def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.
 
     bytes: as given, but never more than the device can hold. Fraction: of free device memory on
     CUDA (measured now, after the model was loaded); on CPU of total RAM. Unset: 90% of free memory
-    on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at 90% of free CUDA memory, or on
-    CPU at half the RAM available now (in a container: of what its memory cgroup still allows; the
-    model, activations and the OS need the rest): a size the machine cannot hold is logged and
-    capped rather than left to the OOM killer.
+    on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at ``machine_cap`` (90% of free
+    CUDA memory, or on CPU half the RAM available now, in a container of what its memory cgroup
+    still allows; the model, activations and the OS need the rest): a size the machine cannot hold
+    is logged and capped rather than left to the OOM killer.
     """
+    cap, what = machine_cap(device)
+    wanted = requested_cache_bytes(max_cache_size, device)
+    if wanted > cap:
+        log.warning("maxCacheSize asks for %d bytes, more than this machine can hold; the KV pool is "
+                    "capped at %d bytes (%s)", wanted, cap, what)
+        return cap
+    return wanted
+
+
+def requested_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.device,
+                          pool_bytes: int = 0) -> int:
+    """The bytes a parsed ``maxCacheSize`` asks for, uncapped. ``pool_bytes``: what a pool allocated
+    already occupies (a live change), counted back into the free CUDA memory a fraction is of, so a
+    fraction means the same live as at start-up."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        cap = int(CUDA_FREE_CAP * free)
+        free = torch.cuda.mem_get_info(device)[0] + pool_bytes
         if max_cache_size is None:
-            return cap
+            return int(CUDA_FREE_CAP * free)
         kind, value = max_cache_size
-        wanted = value if kind == "bytes" else value * free
-        return _capped(wanted, cap, f"{CUDA_FREE_CAP:.0%} of the free CUDA memory")
+        return int(value if kind == "bytes" else value * free)
     if max_cache_size is None:
         return DEFAULT_CPU_CACHE_BYTES
     import psutil
 
-    mem = psutil.virtual_memory()
     kind, value = max_cache_size
-    wanted = value if kind == "bytes" else value * mem.total
-    available = min(mem.available, _cgroup_headroom() or mem.available)
-    return _capped(wanted, int(CPU_AVAILABLE_CAP * available),
-                   f"{CPU_AVAILABLE_CAP:.0%} of the available RAM")
+    return int(value if kind == "bytes" else value * psutil.virtual_memory().total)
+
+
+def machine_cap(device: torch.device) -> tuple[int, str]:
+    """The most bytes a pool allocated now may take, and how that was decided (for messages)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(CUDA_FREE_CAP * free), f"{CUDA_FREE_CAP:.0%} of the free CUDA memory"
+    import psutil
+
+    available = psutil.virtual_memory().available
+    available = min(available, _cgroup_headroom() or available)
+    return int(CPU_AVAILABLE_CAP * available), f"{CPU_AVAILABLE_CAP:.0%} of the available RAM"
 
 
 # (limit, usage) files of the memory cgroup, v2 then v1: in a container psutil sees the node's RAM,
@@ -88,14 +162,6 @@ def _cgroup_headroom() -> int | None:
             return None
         return max(0, int(limit_text) - used)
     return None
-
-
-def _capped(wanted: float, cap: int, what: str) -> int:
-    if wanted > cap:
-        log.warning("maxCacheSize asks for %d bytes, more than this machine can hold; the KV pool is "
-                    "capped at %d bytes (%s)", int(wanted), cap, what)
-        return cap
-    return int(wanted)
 
 
 @dataclass

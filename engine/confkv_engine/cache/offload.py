@@ -3,10 +3,11 @@
 ``DiskTier`` is the cache's ``EvictionSink``. A spill only copies the block's bytes and queues them:
 a writer thread does the checksummed, fsynced ``DiskStore.put`` (milliseconds each), so an engine
 step that evicts never waits for the disk. The store's admission rule keeps blocks used fewer than
-twice off the SSD. ``load_chain`` extends a prefix-cache hit with the blocks the disk holds for
-the next keys of the same chain (verified token by token, like an in-memory hit), inserting them
-as evictable cached entries; admission then shares them as usual. Reading back is synchronous but
-bounded by ``MAX_LOAD_BLOCKS`` per admission, and only runs on a miss the disk can serve.
+twice off the SSD. Reading back runs on a second thread of its own (``readback``): ``start_load``
+queues a chain that continues a prefix-cache hit, the reader reads, verifies and decodes its
+records (token by token against the chain, like an in-memory hit) while the engine keeps stepping,
+and the engine installs the decoded blocks between two steps. Reads do not queue behind writes
+(an fsync each), and a read is only started when the disk's index holds the chain's next block.
 
 The store's index survives restarts: ``DiskStore`` rebuilds it from the record files when it opens
 (torn or corrupt records are skipped and counted), and ``rebuild()`` does it again on demand.
@@ -19,13 +20,14 @@ import queue
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from confkv_engine.cache.disk import DiskStore, RebuildReport, capacity_from_volume
-from confkv_engine.cache.kv_cache import KVCache
-from confkv_engine.cache.prefix import CachedBlock, block_key
+from confkv_engine.cache.prefix import CachedBlock
+from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad
 
 log = logging.getLogger("confkv.cache.disk")
 
-MAX_LOAD_BLOCKS = 64  # blocks read back for one admission (a 1,024-token prefix at block size 16)
 QUEUE_LIMIT = 256  # spills waiting for the writer; beyond it new spills are dropped (counted)
 
 
@@ -35,7 +37,7 @@ class DiskTierStats:
 
     spilled: int = 0
     dropped: int = 0
-    loaded: int = 0
+    loaded: int = 0  # blocks read back, verified and decoded by the reader
 
 
 class DiskTier:
@@ -46,6 +48,10 @@ class DiskTier:
         self._queue: queue.Queue[tuple[CachedBlock, bytes, int] | None] = queue.Queue(QUEUE_LIMIT)
         self._writer = threading.Thread(target=self._write_loop, name="confkv-disk", daemon=True)
         self._writer.start()
+        self._reads: queue.Queue[ChainLoad | None] = queue.Queue()
+        self._closing = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="confkv-disk-read", daemon=True)
+        self._reader.start()
 
     # ---- EvictionSink ------------------------------------------------------------------------
     def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None:
@@ -72,29 +78,44 @@ class DiskTier:
         """Wait until every queued spill is written (tests, shutdown)."""
         self._queue.join()
 
-    # ---- reading back ------------------------------------------------------------------------
-    def load_chain(self, cache: KVCache, tokens: list[int], have: list[CachedBlock], max_blocks: int) -> int:
-        """Insert into ``cache`` the disk's blocks that continue the cached chain ``have`` over
-        ``tokens`` (at most ``max_blocks`` blocks in all); returns blocks loaded."""
-        if cache.prefix is None:
-            return 0
-        bs, loaded = cache.spec.block_size, 0
-        parent = have[-1].key if have else None
-        for b in range(len(have), min(max_blocks, len(have) + MAX_LOAD_BLOCKS, len(tokens) // bs)):
-            block_tokens = tuple(tokens[b * bs:(b + 1) * bs])
-            key = block_key(parent, cache.prefix.salt, block_tokens)
-            if key in cache.prefix:
-                parent = key
+    # ---- reading back (``readback``) ---------------------------------------------------------
+    def start_load(self, links: list[ChainLink], shape: tuple[int, ...], dtype: torch.dtype,
+                   scale_shape: tuple[int, ...] | None = None) -> ChainLoad | None:
+        """Queue a read of ``links`` (at most ``MAX_LOAD_BLOCKS``) for the reader thread; None, at
+        once, when the disk has no record of the first block not cached in memory."""
+        first = next((link for link in links if not link.cached), None)
+        if first is None or self._closing.is_set() or not self.store.contains(first.key):
+            return None
+        load = ChainLoad(links[:MAX_LOAD_BLOCKS], shape, dtype, scale_shape)
+        self._reads.put(load)
+        return load
+
+    def _read_loop(self) -> None:
+        while True:
+            load = self._reads.get()
+            if load is None:
+                return
+            try:
+                self._read(load)
+            except Exception:  # a failing disk costs cache hits, never requests
+                log.exception("disk tier read failed")
+            finally:
+                load.done.set()  # however it ended: the waiting request is admitted with what landed
+
+    def _read(self, load: ChainLoad) -> None:
+        for link in load.links:
+            if link.cached:
                 continue
-            record = self.store.get(key)
-            if record is None or tuple(record.token_ids) != block_tokens or record.parent != parent:
-                break
-            if not cache.load_entry(key, parent, block_tokens, bytes(record.payload)):
-                break
-            loaded += 1
-            parent = key
-        self.stats.loaded += loaded
-        return loaded
+            if self._closing.is_set():
+                return
+            record = self.store.get(link.key)  # checksum verified; a corrupt record is dropped, counted
+            if record is None or tuple(record.token_ids) != link.tokens or record.parent != link.parent:
+                return
+            pair = load.decode(bytes(record.payload))
+            if pair is None:
+                return
+            load.pairs[link.key] = pair
+            self.stats.loaded += 1
 
     def hot_prefixes(self, n: int) -> list[list[int]]:
         return self.store.hot_prefixes(n)
@@ -103,6 +124,11 @@ class DiskTier:
         return self.store.rebuild()
 
     def close(self) -> None:
+        """Stop both threads: loads still queued end at once (their requests recompute), spills
+        queued before the close are written."""
+        self._closing.set()
+        self._reads.put(None)
+        self._reader.join(timeout=30.0)
         self._queue.put(None)
         self._writer.join(timeout=30.0)
         self.store.close()

@@ -59,6 +59,7 @@ from confkv_engine.control.policy import (
     parse_patch,
 )
 from confkv_engine.core.control_api import CapacityInUse, EngineControlTarget, EngineStats, PolicyRejected
+from confkv_engine.core.threads import serial_torch_ops
 
 log = logging.getLogger("confkv.control")
 
@@ -146,7 +147,8 @@ class ControlPlane:
         try:
             path = unix_socket.prepare(self.address)
             workers = futures.ThreadPoolExecutor(max_workers=MAX_WATCH_STREAMS + UNARY_WORKERS,
-                                                 thread_name_prefix="confkv-grpc")
+                                                 thread_name_prefix="confkv-grpc",
+                                                 initializer=serial_torch_ops)
             server = grpc.server(workers, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
             pb_grpc.add_EngineControlServicer_to_server(ControlServicer(self), server)
             with unix_socket.owner_only_umask():

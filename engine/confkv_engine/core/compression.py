@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from confkv_engine.cache.kv_cache import CompressResult, KVCache, SeqKV
+from confkv_engine.core.threads import serial_torch_ops
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class CompressionWorker:
             self._thread = None
 
     def _loop(self) -> None:
+        serial_torch_ops()  # a long-lived thread: it must not keep a second OpenMP pool (core.threads)
         while not self._stop.wait(self.interval):
             try:
                 self.total.add(self._run_pass())

@@ -17,7 +17,7 @@ from confkv_engine.cache.layout import CompressResult
 BATCH_FIELD = "engine.maxBatchSize"
 #: LRU-K's K (and LRU vs LRU-K) of the prefix cache: live, cached blocks and their history stay.
 EVICTION_FIELD = "confkv.eviction"
-#: The KV pool's size: lowering evicts cached blocks first; raising is bounded by the start-up pool.
+#: The KV pool's size: lowering evicts cached blocks first; raising grows the pool if memory allows.
 SIZE_FIELD = "confkv.maxCacheSize"
 #: Fields the retention manager reads when a request is admitted: live (running requests keep theirs).
 RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.sinks", "confkv.window",
@@ -47,6 +47,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of those, served from the prefix cache (cumulative)
     prefix_hit_ratio_window: float | None = None  # hit / queried over the last 5 minutes; None: no lookups
     kv_bytes_evictable: int = 0  # cached blocks nobody references: reclaimable at once
+    kv_bytes_reserved: int = 0  # pool bytes the cache keeps for itself (the null block; in the total)
     kv_bytes_reclaimable: int = 0  # free + evictable + retired pool bytes (the VRAM signal subtracts them)
     eviction_k: int = 0  # the prefix cache's live LRU-K K (1 = LRU)
     disk_records: int = 0  # blocks the disk tier holds
@@ -63,7 +64,8 @@ class PolicyRejected(ValueError):
 
 
 class CapacityInUse(PolicyRejected):
-    """A smaller cache than running requests hold (or a larger one than was allocated); nothing changed."""
+    """A smaller cache than running requests hold, or a larger one than the machine can hold now;
+    nothing changed."""
 
 
 class EngineControlTarget(Protocol):

@@ -31,6 +31,7 @@ from confkv_api.config import CompressionSection, ConfKVConfig, ConfKVSection, p
 from confkv_engine.attention.retention import RetentionAttention
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.kv_cache import CacheSpec, CompressResult, KVCache, resolve_cache_bytes
+from confkv_engine.cache.layout import requested_cache_bytes, resolve_cache_dtype
 from confkv_engine.cache.offload import DiskTier
 from confkv_engine.core import sampling
 from confkv_engine.core.compression import BLOCKS_PER_PASS, CompressionWorker, compress_blocks, encode_stream
@@ -54,6 +55,9 @@ from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import decision_interval
 
 MAX_OOM_RETRIES = 3
+# With nothing to step but requests waiting for disk read-backs, ``step`` waits this long at most
+# for one to land (it returns as soon as one does): no busy loop, and no wait on a lost read.
+DISK_WAIT_SECONDS = 0.05
 
 
 class QueueFull(RuntimeError):
@@ -82,11 +86,14 @@ class LLMEngine:
         self.eos_token_ids = tuple(getattr(loaded, "eos_token_ids", ()) or ())
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # The pool stores K/V at confkv.kvCacheDtype (auto: the model's dtype); attention reads them
+        # back in the model's dtype.
+        self.cache_dtype = resolve_cache_dtype(config.confkv.kv_cache_dtype, self.dtype)
         spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size,
-                         self.dtype, self.device)
+                         self.cache_dtype, self.device, compute_dtype=self.dtype)
         size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
         ev = config.confkv.eviction
-        # The salt names what changes the stored K/V besides the tokens (dtype is added by the cache).
+        # The salt names what changes the stored K/V besides the tokens (dtypes are added by the cache).
         salt = f"{getattr(loaded, 'name', '')}|{args}".encode()
         salt = salt if config.confkv.prefix_cache.enabled else None
         self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device), prefix_salt=salt,
@@ -185,18 +192,25 @@ class LLMEngine:
         with self._lock, torch.inference_mode():
             outputs, self._pending = self._pending, []
             sched = self.scheduler.schedule()
-            if not sched.scheduled:
-                return outputs
-            try:
-                self._oom_fault.before_model()
-                results = self._run(sched.scheduled)
-            except torch.OutOfMemoryError:
-                return outputs + self._recover_from_oom(sched.scheduled)
-            for seq, n in sched.scheduled:
-                self._advance(seq, n, results.get(seq))
-                if seq.finished or seq.reported_tokens < len(seq.output_token_ids):
-                    outputs.append(self._output(seq))
-            return outputs
+            load = None if sched.scheduled else self.scheduler.pending_load()
+            if sched.scheduled:
+                return outputs + self._step_scheduled(sched.scheduled)
+        if load is not None:  # only disk read-backs are left to wait for: sleep on one, not the lock
+            load.done.wait(DISK_WAIT_SECONDS)
+        return outputs
+
+    def _step_scheduled(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        try:
+            self._oom_fault.before_model()
+            results = self._run(scheduled)
+        except torch.OutOfMemoryError:
+            return self._recover_from_oom(scheduled)
+        for seq, n in scheduled:
+            self._advance(seq, n, results.get(seq))
+            if seq.finished or seq.reported_tokens < len(seq.output_token_ids):
+                outputs.append(self._output(seq))
+        return outputs
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> dict[Sequence, Any]:
         """One forward pass; returns per sequence (token id, logprob entry) when it sampled."""
@@ -368,12 +382,15 @@ class LLMEngine:
         return caps + (["rebuild-index"] if self.disk is not None else [])
 
     def _resize(self, max_cache_size: str | None) -> None:
+        """Live ``maxCacheSize``: the same bytes mean the same pool as at start-up (the null block is
+        inside it). A size the machine cannot hold is refused here, not capped as at start-up: the
+        caller asked for a pool it would not get."""
         size = parse_size(max_cache_size) if max_cache_size else None
-        blocks = resolve_cache_bytes(size, self.device) // self.cache.spec.block_bytes - 1  # less the null
+        wanted = requested_cache_bytes(size, self.device, pool_bytes=self.cache.allocated_bytes)
         try:
-            self.cache.resize(blocks)
+            self.cache.resize(wanted // self.cache.spec.block_bytes - 1)  # less the null block
         except ValueError as err:
-            raise CapacityInUse(f"maxCacheSize {max_cache_size!r} refused: {err}") from None
+            raise CapacityInUse(f"maxCacheSize {max_cache_size!r} ({wanted} bytes) refused: {err}") from None
 
     def rebuild_index(self) -> str:
         """Rebuild the disk tier's index from its record files (torn or corrupt ones are skipped)."""
@@ -458,6 +475,7 @@ class LLMEngine:
                 prefix_queried_tokens=self.cache.hits.queried, prefix_hit_tokens=self.cache.hits.hit,
                 prefix_hit_ratio_window=self.cache.hits.window_ratio(),
                 kv_bytes_evictable=2 * len(self.cache.eviction) * self.cache.spec.block_bytes,
+                kv_bytes_reserved=self.cache.reserved_bytes,
                 kv_bytes_reclaimable=self.cache.reclaimable_bytes,
                 eviction_k=self.cache.eviction.k, **self._disk_stats(),
                 kv_blocks_compressed=len(self.cache.store),

@@ -18,9 +18,15 @@ the promised ones too, and when room is short the victims are unreserved sequenc
 
 At admission a sequence shares the longest cached prefix of its tokens (whole blocks, by reference
 count) and starts computing after it; the shared blocks count against the pool only when taking
-them removes evictable blocks. Prefill chunks end at multiples of ``block_size`` (unless they
-finish the known tokens), so a replay after preemption runs the same chunk boundaries and a
-retention policy acting at block-aligned positions takes the same decisions.
+them removes evictable blocks. When the disk tier holds more of the prefix, the sequence first
+waits for it to be read back (``cache.readback``: off the engine thread, holding no block) while
+the sequences behind it are admitted past it and running ones keep stepping; once the read ends,
+its blocks are installed and the sequence is admitted with the longer hit (or, if the read found
+nothing usable, with the hit it had: it is never asked twice per admission).
+
+Prefill chunks end at multiples of ``block_size`` (unless they finish the known tokens), so a
+replay after preemption runs the same chunk boundaries and a retention policy acting at
+block-aligned positions takes the same decisions.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Protocol
 
 from confkv_engine.cache.kv_cache import KVCache
 from confkv_engine.cache.prefix import CachedBlock
+from confkv_engine.cache.readback import ChainLoad
 from confkv_engine.core.sequence import SeqStatus, Sequence
 
 
@@ -155,17 +162,39 @@ class Scheduler:
             if victim is seq:
                 return False
 
-    def _prefix_hits(self, seq: Sequence) -> list[CachedBlock]:
-        """The cached blocks a waiting sequence may share. Never its last token (its logits are
-        needed), never for prompt logprobs (every prompt row is computed; documented in the README),
-        and a retained sequence's replay never shares more than it did at first admission (its
+    def _prefix_hits(self, seq: Sequence) -> list[CachedBlock] | None:
+        """The cached blocks a waiting sequence may share; None while the disk tier reads more of
+        them back (asked here, once per admission). Never its last token (its logits are needed),
+        never for prompt logprobs (every prompt row is computed; documented in the README), and a
+        retained sequence's replay never shares more than it did at first admission (its
         protected prefix, so its decisions replay exactly)."""
         if self.cache.prefix is None or seq.wants_prompt_logprobs:
             return []
         limit = (seq.num_tokens - 1) // self.cache.spec.block_size
         if seq.retention is not None and seq.admitted:
             limit = min(limit, seq.prefix_len // self.cache.spec.block_size)
-        return self.cache.match(seq.token_slice(0, seq.num_tokens), limit)
+        tokens = seq.token_slice(0, seq.num_tokens)
+        hits = self.cache.match(tokens, limit)
+        if not seq.disk_asked:
+            seq.disk_asked = True
+            seq.disk_load = self.cache.request_load(tokens, hits, limit)
+            if seq.disk_load is not None:
+                return None
+        return hits
+
+    def _loading(self, seq: Sequence) -> bool:
+        """True while the sequence's read-back is in flight; once it ended, its blocks are installed."""
+        if seq.disk_load is None:
+            return False
+        if not seq.disk_load.done.is_set():
+            return True
+        self.cache.install_load(seq.disk_load)
+        seq.disk_load = None
+        return False
+
+    def pending_load(self) -> ChainLoad | None:
+        """A read-back a waiting sequence waits for (the engine, with nothing to step, waits on it)."""
+        return next((s.disk_load for s in self.waiting if s.disk_load is not None), None)
 
     def _sharing_soon(self, seq: Sequence, cached: int) -> bool:
         """True when a running request is still prefilling full blocks of this one's prompt beyond
@@ -190,10 +219,13 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, promised: int) -> int:
         """Admit waiting sequences; ``promised``: blocks running reservations may still take."""
-        bs = self.cache.spec.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
-            hits = self._prefix_hits(seq)
+        bs, i = self.cache.spec.block_size, 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[i]
+            hits = None if self._loading(seq) else self._prefix_hits(seq)
+            if hits is None:  # its blocks are on their way from disk: the next ones go first
+                i += 1
+                continue
             if self._sharing_soon(seq, len(hits) * bs):
                 break  # next step its prefix is cached: share it instead of computing it again
             start = len(hits) * bs
@@ -203,7 +235,8 @@ class Scheduler:
             taken = self.cache.evictable_among(hits)  # shared now, so no longer reclaimable
             if n == 0 or not self.cache.can_allocate(promised + max(need, reserved or 0) + taken):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            seq.disk_asked = False  # a later replay (after a preemption) may read from disk again
             first = not seq.admitted
             seq.num_computed = self.cache.attach(seq.kv, hits, seq.prompt_len if first else 0)
             if first:

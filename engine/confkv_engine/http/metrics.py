@@ -58,7 +58,8 @@ class _SnapshotCollector(Collector):
         key_only = s.kv_bytes_key_only
         full = s.kv_bytes_full
         tiers = GaugeMetricFamily(names.KV_CACHE_BYTES, "KV cache bytes by tier.", labels=["tier"])
-        for tier, value in (("full", full), ("key_only", key_only), ("free", max(0, total - used)),
+        free = max(0, total - used - s.kv_bytes_reserved)  # the null block is the cache's own
+        for tier, value in (("full", full), ("key_only", key_only), ("free", free),
                             ("evictable", s.kv_bytes_evictable), ("reclaimable", s.kv_bytes_reclaimable),
                             ("total", total)):
             tiers.add_metric([tier], value)
