@@ -103,6 +103,9 @@ class RetentionManager:
     def check(self, cfg: RetentionConfig) -> None:
         """Raise ValueError when the engine cannot run ``cfg``: the recent window must hold the
         tokens appended between two decisions (one prefill chunk, rounded up to whole blocks)."""
+        if cfg.uses_precision and self.cache.kv.element_size() == 1:
+            raise ValueError("precision tiers (int8/int4/int2) need a bfloat16, float16 or float32 KV cache: "
+                             "an int8 or fp8 pool holds codes already")
         if cfg.policy != "full" and cfg.tiers.window < self.interval:
             raise ValueError(f"the recent window ({cfg.tiers.window}) must hold a prefill chunk "
                              f"({self.interval} tokens) when kvPolicy is {cfg.policy!r}")
