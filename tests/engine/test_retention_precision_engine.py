@@ -57,9 +57,10 @@ def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
     assert eng.cache.num_free == eng.cache.num_blocks and len(eng.cache.store) == 0  # all back
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: in a 40-block pool with preemptions the batched run "
-                   "decodes garbage (token 0 repeated) once tiers freeze blocks; the same prompts batched "
-                   "in a large pool match their solo runs. Not yet found.")
+@pytest.mark.xfail(strict=True, reason="known bug: with preemptions (40-block pool) one replayed request "
+                   "(the 140-token prompt) decodes token 0 repeatedly once tiers froze blocks, with or "
+                   "without the prefix cache; in an 80-block pool (no preemption) all six match their solo "
+                   "runs. Not yet found.")
 def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded) -> None:
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     prompts = [prompt(n, i) for i, n in enumerate([90, 130, 160, 110, 100, 140])]
