@@ -1,4 +1,5 @@
-"""KV retention quality: perplexity against measured KV bytes, full / streaming / h2o / conf-kv.
+"""KV retention quality: perplexity against measured KV bytes, full / streaming / h2o / conf-kv /
+conf-kv with precision tiers / uniform KIVI-style quantization.
 
 Text: ``'\\n\\n'.join(topics[k] for k in sorted(topics))`` from ``pydoc_data.topics``, tokenized
 without BOS. Test set: tokens [0, 6144) as three 2,048-token windows; perplexity = exp(mean NLL
@@ -16,13 +17,16 @@ perplexity increase against measured bytes is written next to the JSON.
 logprobs, prefill chunk 32); ``--runner offline`` uses ``retention.offline.run_sequence`` on the
 same cache and backend without the scheduler (a cross-check; numbers must agree).
 
-``--compress 8,4,2`` adds rows ``full+int8`` / ``full+int4`` / ``full+int2``: the full cache with every
-block outside the recent window (all but the last 2 blocks, KIVI-style) quantized after every step
-(``LLMEngine.compress``, forced, default groupSize; int2 through the same pass directly), against
-the same policy uncompressed (the ``full`` row); their KiB columns are the sequence's real bytes,
-compressed blocks at their encoded size.
+``--compress 8,4,2`` adds the uniform peers ``kivi-int8`` / ``kivi-int4`` / ``kivi-int2``: the full cache
+with every block outside the recent window (all but the last 2 blocks, KIVI-style) quantized after
+every step (``LLMEngine.compress``, forced, default groupSize; int2 through the same pass directly);
+their byte columns are the sequence's real bytes, compressed blocks at their encoded size, so they
+read as peers at their own measured bytes (they have no budget: ``f`` is ``-``).
 
-    python bench/kv_quality.py --quick --policies full --compress 8,4
+``--tiers int4,int2`` adds ``conf-kv+tiers`` at every budget: conf-kv choosing each token's precision
+(FULL / int4 / int2 / DISCARD, ``retention.precision``) through the same codec.
+
+    python bench/kv_quality.py --quick --policies full,conf-kv,conf-kv+tiers --compress 4,2 --tiers int4,int2
 
 The model computes in fp32; the cache is stored in ``--kv-cache-dtype`` (default bfloat16, as a
 served bf16 model stores it), so every row's bytes, the ``full`` reference included, are bf16 pool
@@ -83,14 +87,19 @@ def second_half_nll(logprobs: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def make_config(policy: str, f: float | None, args: argparse.Namespace,
-                mode: str | None = None) -> RetentionConfig:
+                mode: str | None = None, precisions: tuple[str, ...] = ()) -> RetentionConfig:
     decay = args.h2o_decay if policy == "h2o" else args.decay
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale,
                               pool=args.pool if policy.startswith("conf-kv") else 1)
     tiers = TierConfig(high=args.high, medium=args.medium, sinks=SERVED.sinks, window=args.window,
-                       window_fraction=args.window_fraction, key_share=args.key_share,
-                       granularity=args.granularity if policy.startswith("conf-kv") else "head")
+                       window_fraction=args.tier_window_fraction if precisions else args.window_fraction,
+                       key_share=args.key_share,
+                       granularity=args.granularity if policy.startswith("conf-kv") else "head",
+                       precisions=precisions, key_only=not precisions, precision_loss=args.tier_loss)
+    if f is not None and args.budget_basis == "peak":  # f x the window's full cache, at every length
+        size = 1024 if args.quick else 2048
+        return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget_tokens=round(f * size))
     return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f)
 
 
@@ -183,7 +192,7 @@ def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tu
 def measure(runner, name: str, cfg: RetentionConfig, wins: list[list[int]]) -> dict:
     nll, peaks, means = [], [], []
     t0 = time.time()
-    bits = int(name.split("+int")[1]) if "+int" in name else None
+    bits = int(name.split("kivi-int")[1]) if name.startswith("kivi-int") else None
     for w in wins:
         r = runner.run(cfg, w, bits)
         nll.append(second_half_nll(r["logprobs"], len(w)))
@@ -201,10 +210,13 @@ def plan(args: argparse.Namespace) -> list[tuple[str, float | None, RetentionCon
         budgets = [float(b) for b in args.budgets.split(",")]
     items: list[tuple[str, float | None, RetentionConfig]] = [("full", None, make_config("full", None, args))]
     for bits in (args.compress.split(",") if args.compress else []):
-        items.append((f"full+int{int(bits)}", None, make_config("full", None, args)))
+        items.append((f"kivi-int{int(bits)}", None, make_config("full", None, args)))
+    precisions = tuple(t for t in args.tiers.split(",") if t) if args.tiers else ()
     for f in budgets:
         for p in POLICIES:
             items.append((p, f, make_config(p, f, args)))
+        if precisions:
+            items.append(("conf-kv+tiers", f, make_config("conf-kv", f, args, precisions=precisions)))
         if not args.no_ablations:
             for mode in ABLATIONS:
                 items.append((f"conf-kv[{mode}]", f, make_config("conf-kv", f, args, mode)))
@@ -249,6 +261,10 @@ def plot(rows: list[dict], full: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one 1,024-token window, two budgets")
@@ -273,6 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scale", type=float, default=ScorerConfig.scale)
     ap.add_argument("--pool", type=int, default=ScorerConfig.pool)
     ap.add_argument("--granularity", default=TierConfig.granularity, help="conf-kv: head | layer | token")
+    ap.add_argument("--tiers", default=None, help="precision tiers of the conf-kv+tiers rows, e.g. int4,int2")
+    ap.add_argument("--tier-loss", type=_floats, default=TierConfig.precision_loss,
+                    help="relative loss of int8,int4,int2 tokens in the budget walk")
+    ap.add_argument("--budget-basis", choices=("length", "peak"), default="length",
+                    help="length: f x the full cache at the current length (the served kv_budget); peak: "
+                         "f x the full cache of the whole window at every length (kv_budget_tokens), "
+                         "the basis of the kivi peers' measured bytes")
+    ap.add_argument("--tier-window-fraction", type=float, default=TierConfig.window_fraction,
+                    help="recent-window share of the budget for the conf-kv+tiers rows")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/kv_quality[_quick|_tune].json)")
     ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",
@@ -289,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     suffix = "_quick" if args.quick else ""
     suffix += "_tune" if args.tune else ""
+    suffix += "_peak" if args.budget_basis == "peak" else ""
     out = Path(args.out) if args.out else RESULTS / f"kv_quality{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -303,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.policies.split(",")) if args.policies else None
     rows = []
     for name, f, cfg in plan(args):
-        if wanted and name not in wanted and name != "full" and "+int" not in name:
+        if wanted and name not in wanted and name != "full" and not name.startswith("kivi-"):
             continue
         key = config_key(name, f, cfg, args.quick, args.tune, args.runner, args.kv_cache_dtype)
         if key not in data["results"]:
@@ -311,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             res.update({"f": f, "config": json.loads(json.dumps(asdict(cfg), default=str))})
             data["results"][key] = res
             data["meta"] = {"windows": [len(w) for w in wins], "chunk": CHUNK, "runner": args.runner,
-                            "kv_cache_dtype": args.kv_cache_dtype,
+                            "kv_cache_dtype": args.kv_cache_dtype, "budget_basis": args.budget_basis,
                             "quick": args.quick, "tune": args.tune, "torch": torch.__version__}
             out.write_text(json.dumps(data, indent=1))  # checkpoint after every configuration
             print(f"  {name} f={f}: ppl {res['ppl']:.3f} ({res['seconds']} s)", flush=True)

@@ -201,6 +201,27 @@ class CompressionSection(_Model):
     cold_after_seconds: float = Field(default=30.0, ge=0.0, le=7 * 86_400.0)
 
 
+TierName = Literal["full", "key_only", "int8", "int4", "int2"]
+_PRECISION_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def check_tiers(tiers: list[str]) -> list[str]:
+    """``tiers``: the kept tiers, highest first (DISCARD is implied): ["full"], ["full", "key_only"], or
+    "full" then precision tiers highest first (["full", "int4", "int2"])."""
+    if not tiers or tiers[0] != "full":
+        raise ValueError(f"tiers must start with 'full', got {tiers}")
+    rest = tiers[1:]
+    if rest == ["key_only"]:
+        return tiers
+    if "key_only" in rest:
+        raise ValueError("key_only cannot be combined with int8/int4/int2 (it costs more than a precision "
+                         "tier that keeps the value); use ['full', 'key_only']")
+    bits = [_PRECISION_BITS[t] for t in rest]
+    if bits != sorted(set(bits), reverse=True):
+        raise ValueError(f"precision tiers must be distinct and highest first, got {tiers}")
+    return tiers
+
+
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
 
 
@@ -221,6 +242,10 @@ class ConfKVSection(_Model):
     budget: float | None = Field(default=None, gt=0.0, le=1.0)
     budget_tokens: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     budget_mode: Literal["always", "pressure"] = "always"
+    # conf-kv's kept tiers, highest first (DISCARD implied): ["full", "int4", "int2"] lets confidence
+    # choose each token's precision (docs/retention.md, Precision tiers); ["full", "key_only"] is the
+    # FULL / KEY_ONLY / DISCARD chain.
+    tiers: list[TierName] = Field(default_factory=lambda: ["full", "key_only"], min_length=1, max_length=5)
     eviction: EvictionSection = EvictionSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
     warmup: WarmupSection = WarmupSection()
@@ -237,6 +262,11 @@ class ConfKVSection(_Model):
         if value is not None:
             parse_size(value)
         return value
+
+    @field_validator("tiers")
+    @classmethod
+    def _valid_tiers(cls, value: list[str]) -> list[str]:
+        return check_tiers(value)
 
     @model_validator(mode="after")
     def _one_budget(self) -> ConfKVSection:

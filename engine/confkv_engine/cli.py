@@ -49,6 +49,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "kv_policy": ("confkv", "kv_policy"),
     "kv_budget": ("confkv", "budget"),
     "kv_budget_tokens": ("confkv", "budget_tokens"),
+    "kv_tiers": ("confkv", "tiers"),
 }
 
 
@@ -57,6 +58,11 @@ def _version() -> str:
         return metadata.version("confkv")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def _tier_list(text: str) -> list[str]:
+    """--kv-tiers full,int4,int2 -> ["full", "int4", "int2"] (validated with the rest of the config)."""
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def _serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +102,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--kv-policy", choices=["full", "streaming", "h2o", "conf-kv"], help="KV retention policy")
     add("--kv-budget", type=float, metavar="F", help="per-sequence KV budget, fraction of the full cache")
     add("--kv-budget-tokens", type=int, metavar="N", help="per-sequence KV budget in tokens")
+    add("--kv-tiers", type=_tier_list, metavar="T,T",
+        help="conf-kv's kept tiers, highest first: full,int4,int2 (precision tiers) or "
+             "full,key_only (default)")
     add("--no-prefix-cache", action="store_true", help="do not share KV blocks of common prefixes")
     add("--cache-dir", metavar="DIR",
         help="directory (NVMe) for evicted prefix blocks and their index, rebuilt at start-up")

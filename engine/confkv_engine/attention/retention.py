@@ -12,8 +12,8 @@ the same kernel the full cache and StreamingLLM use). Retention adds two things 
   are exactly the cached keys whose position is not after it, and the decay is applied per query
   position, so folding a whole interval at once equals folding query by query. The cost is one
   batched ``q K^T`` over ``interval`` queries per decision instead of a softmax at every step.
-- **KEY_ONLY stand-in.** The values of a sequence's ``n_key`` KEY_ONLY slots (after its shared
-  prefix, if any; their V-table
+- **KEY_ONLY stand-in.** The values of a sequence's ``n_key`` KEY_ONLY slots (from ``key_start``,
+  after its shared prefix and frozen precision-tier blocks, if any; their V-table
   entries point at the cache's null block) are replaced, in the gathered copy, by the unit's merged
   mean before the fused kernel runs, so the output is sum_FULL p_i v_i + (sum_KEY_ONLY p_j) v_mean
   with the exact softmax normalisation.
@@ -36,9 +36,11 @@ from confkv_engine.cache.kv_cache import KVCache, SeqKV
 class RetainedSequence(Protocol):
     """What the backend needs of a sequence's retention state (``retention.runtime.RetentionState``)."""
 
-    base: int  # slots [0, base) are a shared prefix
-    n_key: int  # slots [base, base + n_key) are KEY_ONLY (values stood in for by v_mean)
+    n_key: int  # slots [key_start, key_start + n_key) are KEY_ONLY (values stood in for by v_mean)
     v_mean: Tensor  # [L, Hkv, D] fp32 merged value of the KEY_ONLY tokens
+
+    @property
+    def key_start(self) -> int: ...
 
     @property
     def wants_probs(self) -> bool: ...
@@ -82,11 +84,11 @@ class RetentionAttention(PagedAttention):
     def _decode_values(self, layer: int, vals: Tensor) -> Tensor:
         for i, st in enumerate(self._dec_states):
             if st is not None and st.n_key:
-                vals[i, :, st.base:st.base + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
+                vals[i, :, st.key_start:st.key_start + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
         return vals
 
     def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:
         st = self._states[p.index]
         if st is not None and st.n_key:
-            vals[0, :, st.base:st.base + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
+            vals[0, :, st.key_start:st.key_start + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
         return vals

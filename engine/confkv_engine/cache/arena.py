@@ -17,8 +17,9 @@ the live slots packed at the start of the stream.
 **Handles.** A table entry (``SeqKV.k_blocks``, ``CachedBlock.k_block``) is a pool block id (>= 0) or
 a handle (< 0) naming (arena, slot). Handles are counted references like pool blocks: the store
 keeps their counts and frees the slot at zero. Handle numbers are never reused, so a stale handle
-can never alias a newer block. A K handle also remembers the position of its first token: only
-blocks whose slots hold consecutive positions are compressed, so positions need no storage.
+can never alias a newer block. A K handle also remembers the position of its first token: blocks
+compressed by the cache hold consecutive positions, so positions need no storage; blocks of
+retention's precision tiers (``tiered``) hold any positions and keep them with the handle.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class _Handle:
     arena: Arena
     slot: int
     first_pos: int | None  # K blocks: position of slot 0 (the block holds first_pos + 0..bs-1)
+    # K blocks of retention's precision tiers hold any positions (each (layer, head) its own tokens):
+    # kept here, [L, bs, Hkv] int32, and counted in the block's bytes like the pool's position ints.
+    positions: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -171,8 +175,9 @@ class CompressedStore:
         return sum(a.live * a.slot_bytes for a in self.arenas.values()) * self.num_layers
 
     def put(self, rows: Tensor, spec: CodecSpec, refs: int, first_pos: int | None,
-            allocate_host: Callable[[], int]) -> int:
-        """Store one encoded block (rows [L, spec.nbytes]) with ``refs`` references; returns its handle."""
+            allocate_host: Callable[[], int], positions: Tensor | None = None) -> int:
+        """Store one encoded block (rows [L, spec.nbytes]) with ``refs`` references; returns its handle.
+        ``positions`` [L, bs, Hkv]: the K block's token positions when they are not consecutive."""
         arena = self.arenas.get(spec)
         if arena is None:
             arena = self.arenas[spec] = Arena(spec, self.host_bytes)
@@ -180,7 +185,7 @@ class CompressedStore:
         self.bytes.index_copy_(1, arena.byte_index(torch.tensor([slot], device=self.bytes.device)),
                                rows.to(self.bytes.device).reshape(self.num_layers, -1))
         handle, self._next = self._next, self._next - 1
-        self._handles[handle] = _Handle(arena, slot, first_pos)
+        self._handles[handle] = _Handle(arena, slot, first_pos, positions)
         self._refs[handle] = refs
         return handle
 
@@ -216,6 +221,10 @@ class CompressedStore:
         for i, b in enumerate(table[: -(-n // block_size)]):
             if b < 0:
                 first, end = self._handles[b].first_pos or 0, min(block_size, n - i * block_size)
+                stored = self._handles[b].positions
+                if stored is not None:
+                    out[:, i * block_size:i * block_size + end, :] = stored[:, :end].to(out)
+                    continue
                 out[:, i * block_size:i * block_size + end, :] = torch.arange(
                     first, first + end, dtype=out.dtype, device=out.device)[None, :, None]
 
@@ -238,8 +247,14 @@ class CompressedStore:
     def first_pos(self, handle: int) -> int | None:
         return self._handles[handle].first_pos
 
+    def positions(self, handle: int) -> Tensor | None:
+        return self._handles[handle].positions
+
     def nbytes(self, handle: int) -> int:
-        return self._handles[handle].arena.slot_bytes * self.num_layers
+        """Encoded bytes of one block over all layers, its stored positions included."""
+        h = self._handles[handle]
+        stored = 0 if h.positions is None else h.positions.numel() * h.positions.element_size()
+        return h.arena.slot_bytes * self.num_layers + stored
 
     def plan(self, table: list[int], null_block: int, device: torch.device) -> GatherPlan:
         """Gather plan of a table; no work beyond one tensor when nothing in it is compressed."""

@@ -18,3 +18,7 @@ class KVUsage:
     tokens_key_only: int = 0
     tokens_discarded: int = 0
     effective_kv_budget: float | None = None
+    # Precision tiers (frozen or staged; not counted in tokens_full)
+    tokens_int8: int = 0
+    tokens_int4: int = 0
+    tokens_int2: int = 0

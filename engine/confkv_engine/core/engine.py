@@ -160,9 +160,10 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
                 f"{self.max_model_len}", param="prompt", code="context_length_exceeded")
         try:
-            cfg = self.retention.config_for(params.kv_policy, params.kv_budget)
+            cfg = self.retention.config_for(params.kv_policy, params.kv_budget, params.kv_tiers)
         except ValueError as err:
-            raise InvalidRequest(str(err), param="kv_policy") from None
+            param = "kv_tiers" if params.kv_tiers is not None and "tier" in str(err) else "kv_policy"
+            raise InvalidRequest(str(err), param=param) from None
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequest(

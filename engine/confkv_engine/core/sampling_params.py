@@ -35,7 +35,7 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 disables top-k. logprobs = number of top alternatives to
     return per generated token (None: no logprobs). prompt_logprobs = same for prompt tokens
-    (None: none; used with ``echo``). kv_policy/kv_budget override the cache policy per request.
+    (None: none; used with ``echo``). kv_policy/kv_budget/kv_tiers override the cache policy per request.
 
     Logit processing follows vLLM's order and semantics: ``logit_bias`` (token id, bias) pairs are
     added to the raw logits; then ``repetition_penalty`` (over prompt and output tokens: positive
@@ -59,6 +59,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     kv_policy: str | None = None
     kv_budget: float | None = None
+    kv_tiers: tuple[str, ...] | None = None  # confkv.tiers for this request (validated at admission)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

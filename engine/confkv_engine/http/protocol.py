@@ -5,7 +5,7 @@ Unknown request fields are rejected with a 400 naming the field, as OpenAI's own
 Fields OpenAI defines that this server cannot honour are accepted only at their no-op values
 (no ``suffix``/tools) and are a 400 otherwise. Engine-specific sampling controls (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``kv_policy``, ``kv_budget``) are accepted as extra body fields, the way the ``openai`` client's
+``kv_policy``, ``kv_budget``, ``kv_tiers``) are accepted as extra body fields, the way the ``openai`` client's
 ``extra_body`` sends them (vLLM's names). ``response_format`` is accepted on both endpoints, as vLLM
 does. The ``/tokenize`` and ``/detokenize`` bodies are vLLM's.
 
@@ -88,6 +88,9 @@ class _Request(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] | None = None
     kv_budget: float | None = Field(default=None, gt=0.0, le=1.0)
+    # The kept tiers, highest first (confkv.tiers): ["full", "int4", "int2"], ["full", "key_only"]...
+    kv_tiers: list[Literal["full", "key_only", "int8", "int4", "int2"]] | None = Field(
+        default=None, max_length=5)
 
     @model_validator(mode="before")
     @classmethod

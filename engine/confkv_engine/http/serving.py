@@ -102,6 +102,7 @@ class OpenAIServing:
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=tuple(req.stop or ()),
             stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, kv_policy=req.kv_policy, kv_budget=req.kv_budget,
+            kv_tiers=tuple(req.kv_tiers) if req.kv_tiers is not None else None,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_p=req.min_p,
             logit_bias=req.logit_bias_pairs(self.vocab_size), structured=structured)

@@ -6,6 +6,12 @@ demoted values into the unit's running mean reads the values before the cache mo
 ``KVCache.rewrite`` then reorders the slots, returns the tail blocks to the pool and points the
 V-table entries that now cover only KEY_ONLY slots at the null block, so the next step can use
 the freed blocks.
+
+Precision tiers (``apply_precision``): frozen blocks demoted as a whole are re-encoded at fewer
+bits or dropped (``cache.tiered``); the rewritable slots are then laid out ``[tokens to freeze,
+per precision tier, oldest first][FULL and staged, by position]`` and the leading whole blocks of
+each tier are stored through the compressed store. Every unit has the same count per tier, so
+the blocks to freeze are the same table entries in every unit.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import torch
 from torch import Tensor
 
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
+from confkv_engine.cache.tiered import drop_blocks, freeze_blocks, requantize_block
+from confkv_engine.retention.precision import chain_of
 from confkv_engine.retention.runtime import RetentionState
 from confkv_engine.retention.scorer import attention_signal
-from confkv_engine.retention.tiers import Tier
+from confkv_engine.retention.tiers import TIER_BITS, Tier
 from confkv_engine.retention.value_merge import merge_values
 
 
@@ -59,3 +67,70 @@ def held_bytes(cache: KVCache, seq: SeqKV, state: RetentionState | None) -> int:
     """What the sequence holds, read from its block tables, plus its retention metadata."""
     meta = state.metadata_bytes() if state is not None else 0
     return cache.seq_bytes(seq) + meta
+
+
+def _select_slots(state: RetentionState, new: Tensor, keep: Tensor) -> Tensor:
+    """Keep the slot columns ``keep`` [n] (bool) of the state's mirrors; returns ``new`` likewise."""
+    state.pos, state.tiers = state.pos[..., keep], state.tiers[..., keep]
+    state.acc, state.norm = state.acc[..., keep], state.norm[..., keep]
+    return new[..., keep]
+
+
+def _demote_frozen(cache: KVCache, seq: SeqKV, state: RetentionState, new: Tensor) -> Tensor:
+    """Frozen blocks whose tier the policy lowered: re-encoded at the new bits, or dropped."""
+    bs, group = cache.spec.block_size, state.cfg.tiers.precision_group
+    first = state.base // bs
+    dropped = []
+    for i, old in enumerate(state.frozen_block_tiers()):
+        tier = int(new[0, 0, state.base + i * bs])
+        if tier == Tier.DISCARD:
+            dropped.append(i)
+        elif tier != old:
+            requantize_block(cache, seq, first + i, TIER_BITS[Tier(tier)], group)
+            state.tiers[..., state.base + i * bs:state.base + (i + 1) * bs] = tier
+    if not dropped:
+        return new
+    drop_blocks(cache, seq, [first + i for i in dropped])
+    keep = torch.ones(state.num_slots, dtype=torch.bool)
+    for i in dropped:
+        keep[state.base + i * bs:state.base + (i + 1) * bs] = False
+    state.frozen -= bs * len(dropped)
+    return _select_slots(state, new, keep)
+
+
+def apply_precision(cache: KVCache, seq: SeqKV, state: RetentionState, new: Tensor) -> int:
+    """Apply precision-tier decisions ``new`` [L, Hkv, n]; returns pool blocks freed (net)."""
+    used = cache.pool.num_used
+    new = _demote_frozen(cache, seq, state, new)
+    bs, fixed = cache.spec.block_size, state.key_start
+    slot = torch.arange(new.shape[-1]).expand_as(new)
+    code = torch.where(new == Tier.DISCARD, 99, 90)  # FULL and staged remainders, after the frozen
+    bits: list[int] = []
+    for j, tier in enumerate(chain_of(state.cfg.tiers)[1:]):
+        staged = (new == tier) & (slot >= fixed)
+        whole = _uniform_count(staged) // bs * bs
+        rank = _rank_by_position(state.pos, staged)
+        code = torch.where(staged & (rank < whole), 1 + j, code)
+        bits += [TIER_BITS[tier]] * (whole // bs)
+    code = torch.where(slot < fixed, 0, code)
+    key = torch.where(slot < fixed, slot, state.pos)
+    n_new = _uniform_count(new != Tier.DISCARD)
+    order = (code.long() * (1 << 40) + key).argsort(dim=-1)[..., :n_new]
+    cache.rewrite(seq, order, 0, fixed)
+    state.pos, state.tiers = state.pos.gather(-1, order), new.gather(-1, order)
+    state.acc, state.norm = state.acc.gather(-1, order), state.norm.gather(-1, order)
+    done = freeze_blocks(cache, seq, fixed // bs, bits, state.cfg.tiers.precision_group)
+    if done < len(bits):  # the codec refused a block: its tokens stay in the pool, as FULL
+        state.tiers[..., fixed + done * bs:fixed + len(bits) * bs] = Tier.FULL
+    state.frozen += done * bs
+    return used - cache.pool.num_used
+
+
+def _rank_by_position(pos: Tensor, mask: Tensor) -> Tensor:
+    """Rank (0 = oldest) of each masked slot within its unit by position; others get n."""
+    n = pos.shape[-1]
+    key = torch.where(mask, pos, torch.full_like(pos, 1 << 40))
+    order = key.argsort(dim=-1, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(n).expand_as(order).contiguous())
+    return torch.where(mask, ranks, torch.full_like(ranks, n))

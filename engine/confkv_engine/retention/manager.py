@@ -28,11 +28,11 @@ from confkv_api.config import ConfKVSection
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
 from confkv_engine.cache.usage import KVUsage
 from confkv_engine.retention import budget, scorer
-from confkv_engine.retention.compaction import apply_tiers, held_bytes
+from confkv_engine.retention.compaction import apply_precision, apply_tiers, held_bytes
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import RetentionState, accounting, decision_interval
 from confkv_engine.retention.scoring import score_pending
-from confkv_engine.retention.tiers import TierConfig, budget_target, is_decision_point
+from confkv_engine.retention.tiers import TierConfig, budget_target, chain_from_names, is_decision_point
 
 # Pressure mode: the budget applies while fewer than this fraction of the pool's blocks are free.
 PRESSURE_FREE_FRACTION = 0.1
@@ -63,9 +63,12 @@ def config_from_section(section: ConfKVSection, interval: int,
     """``interval``: the manager's decision interval, the minimal window when ``window`` is unset."""
     th = section.confidence_thresholds
     window = section.window if section.window is not None else interval
+    key_only, precisions = chain_from_names(section.tiers)
     return _peer_scorer(RetentionConfig(
         policy=_enforcing(section.kv_policy, section.budget, section.budget_tokens),
-        tiers=TierConfig(high=th.high, medium=th.medium, sinks=section.sinks, window=window),
+        tiers=TierConfig(high=th.high, medium=th.medium, sinks=section.sinks, window=window,
+                         key_only=key_only, precisions=precisions,
+                         precision_group=section.compression.group_size),
         scorer=scorer_cfg or scorer.ScorerConfig(),
         budget=section.budget, budget_tokens=section.budget_tokens, budget_mode=section.budget_mode))
 
@@ -100,6 +103,9 @@ class RetentionManager:
     def check(self, cfg: RetentionConfig) -> None:
         """Raise ValueError when the engine cannot run ``cfg``: the recent window must hold the
         tokens appended between two decisions (one prefill chunk, rounded up to whole blocks)."""
+        if cfg.uses_precision and self.cache.kv.element_size() == 1:
+            raise ValueError("precision tiers (int8/int4/int2) need a bfloat16, float16 or float32 KV cache: "
+                             "an int8 or fp8 pool holds codes already")
         if cfg.policy != "full" and cfg.tiers.window < self.interval:
             raise ValueError(f"the recent window ({cfg.tiers.window}) must hold a prefill chunk "
                              f"({self.interval} tokens) when kvPolicy is {cfg.policy!r}")
@@ -114,10 +120,14 @@ class RetentionManager:
         self.check(cfg)
         self._defaults = cfg
 
-    def config_for(self, kv_policy: str | None = None, kv_budget: float | None = None) -> RetentionConfig:
+    def config_for(self, kv_policy: str | None = None, kv_budget: float | None = None,
+                   kv_tiers: tuple[str, ...] | None = None) -> RetentionConfig:
         # One replace: the policy and the budget are checked together, so a request may bring the
         # budget that its policy needs (h2o, streaming) to a server started without one.
         changes: dict[str, object] = {}
+        if kv_tiers is not None:
+            key_only, precisions = chain_from_names(kv_tiers)
+            changes["tiers"] = replace(self.defaults.tiers, key_only=key_only, precisions=precisions)
         if kv_policy is not None:
             changes["policy"] = kv_policy
         if kv_budget is not None:
@@ -190,9 +200,10 @@ class RetentionManager:
         if state is None:
             return KVUsage(peak_kv_bytes=seq.peak_kv_bytes, tokens_full=seq.num_computed)
         full, key_only, discarded = state.tier_counts(seq.num_computed)
+        precise = {f"tokens_{name}": n for name, n in state.precision_counts().items()}
         return KVUsage(peak_kv_bytes=max(seq.peak_kv_bytes, state.peak_bytes), tokens_full=full,
                        tokens_key_only=key_only, tokens_discarded=discarded,
-                       effective_kv_budget=state.effective_budget(seq.num_computed))
+                       effective_kv_budget=state.effective_budget(seq.num_computed), **precise)
 
     def wants_logits(self, state: RetentionState | None) -> bool:
         if state is None:
@@ -225,7 +236,8 @@ class RetentionManager:
         new = state.decide(num_computed, self.under_pressure())
         if new is None:
             return 0
-        freed = apply_tiers(self.cache, seq, state, new)
+        apply = apply_precision if state.cfg.uses_precision else apply_tiers
+        freed = apply(self.cache, seq, state, new)
         self.blocks_freed += freed
         return freed
 
@@ -234,12 +246,16 @@ class RetentionManager:
 
     def tier_bytes(self, pairs: list[tuple[SeqKV, RetentionState | None]]) -> dict[str, int]:
         """Pool bytes by tier over running sequences: K blocks covering only KEY_ONLY slots count as
-        key_only, every other block as full; metadata separately."""
+        key_only, frozen precision-tier blocks as compressed (their codec bytes), every other block as
+        full; metadata separately."""
         bs, bb = self.cache.spec.block_size, self.cache.spec.block_bytes
-        out = {"full": 0, "key_only": 0, "metadata": 0}
+        out = {"full": 0, "key_only": 0, "compressed": 0, "metadata": 0}
         for seq, st in pairs:
             key_blocks = (st.n_key // bs) if st is not None else 0
+            frozen = range(st.base // bs, st.key_start // bs) if st is not None else range(0)
+            codec = sum(self.cache.store.nbytes(t[i]) for t in (seq.k_blocks, seq.v_blocks) for i in frozen)
             out["key_only"] += key_blocks * bb
-            out["full"] += (self.cache.held_blocks(seq) - key_blocks) * bb
+            out["compressed"] += codec
+            out["full"] += (self.cache.held_blocks(seq) - key_blocks - 2 * len(frozen)) * bb
             out["metadata"] += st.metadata_bytes() if st is not None else 0
         return out

@@ -10,7 +10,9 @@ the same byte budgets:
 - ``h2o`` (Heavy-Hitter Oracle): per unit, half of the tokens that fit are the most recent, the
   other half the heavy hitters by normalised accumulated attention (``scorer.attention_signal``).
 - ``conf-kv``: confidence tiers (``tiers.decide_tiers``); ``conf-kv-discard`` is the same with the
-  KEY_ONLY tier disabled (the benchmark's "conf-kv without KEY_ONLY").
+  KEY_ONLY tier disabled (the benchmark's "conf-kv without KEY_ONLY"). With precision tiers
+  configured (``TierConfig.precisions``) conf-kv chooses each token's precision instead
+  (``precision.decide_precision``); the peers ignore them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from confkv_engine.retention import scorer
 from confkv_engine.retention.budget import BudgetSchedule
+from confkv_engine.retention.precision import decide_precision
 from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig, decide_tiers, share_confidence
 
 POLICY_NAMES = ("full", "streaming", "h2o", "conf-kv", "conf-kv-discard")
@@ -61,7 +64,12 @@ class RetentionConfig:
 
     @property
     def uses_key_only(self) -> bool:
-        return self.policy == "conf-kv"
+        return self.policy == "conf-kv" and self.tiers.uses_key_only
+
+    @property
+    def uses_precision(self) -> bool:
+        """conf-kv choosing precisions (int8/int4/int2) besides FULL and DISCARD."""
+        return self.policy.startswith("conf-kv") and bool(self.tiers.precisions)
 
     def recent_window(self, acct: KVAccounting, target: int, limit: int | None = None) -> int:
         """conf-kv's always-FULL window: grows with the budget when one is set (window_fraction).
@@ -87,6 +95,8 @@ class SlotView:
     prev_window: int | None = None
     heads: int = 1  # KV heads per layer (units are ordered layer-major)
     fixed: int = 0  # positions below this are a shared prefix: kept FULL whatever the policy
+    base: int = 0  # slots [0, base) hold the shared prefix
+    frozen_end: int = 0  # slots [base, frozen_end) are frozen precision-tier blocks
 
 
 def window_limit(length: int, prev_length: int, prev_window: int | None) -> int | None:
@@ -134,6 +144,10 @@ def select_h2o(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target:
 def select_conf_kv(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
     conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer)
     conf = share_confidence(conf, cfg.tiers.granularity, view.heads)
+    if cfg.uses_precision:
+        return decide_precision(view.pos, view.tiers, conf, view.length, view.prev_length,
+                                replace(cfg.tiers, window=cfg.recent_window(acct, target)), acct, target,
+                                view.prev_window, view.base, view.frozen_end)
     key_only = cfg.tiers.key_only and cfg.policy == "conf-kv"
     limit = window_limit(view.length, view.prev_length, view.prev_window)
     tier_cfg = replace(cfg.tiers, window=cfg.recent_window(acct, target, limit), key_only=key_only)

@@ -15,6 +15,10 @@ Reads of those slots are replaced by the merged mean in the backend; writes neve
 tokens are appended at the end). So freeing a V block is just swapping its table entry for the
 null block, and the pool's own counts stay exact.
 
+Precision tiers (``precision``): slots ``[base, base + frozen)`` are whole blocks stored through the
+compressed store (``cache.tiered``), one precision tier per block; KEY_ONLY (its own chain, never
+with precision tiers) starts after them, at ``key_start``.
+
 Prefix-cache rule: a prefix shared through the prefix cache is the immutable region ``[0, base)``;
 retention decides and rewrites only the slots after it (``KVCache.rewrite`` refuses shared blocks),
 so it only ever changes a request's private blocks.
@@ -28,10 +32,18 @@ import torch
 from torch import Tensor
 
 from confkv_engine.cache.kv_cache import KVCache
+from confkv_engine.cache.tiered import tier_pair_bytes
 from confkv_engine.retention import policies, scorer
 from confkv_engine.retention.budget import ScheduleState
 from confkv_engine.retention.policies import RetentionConfig, SlotView
-from confkv_engine.retention.tiers import KVAccounting, Tier, budget_target, is_decision_point
+from confkv_engine.retention.tiers import (
+    PRECISION_TIERS,
+    TIER_BITS,
+    KVAccounting,
+    Tier,
+    budget_target,
+    is_decision_point,
+)
 
 
 def decision_interval(block_size: int, prefill_chunk: int) -> int:
@@ -46,7 +58,10 @@ def accounting(cache: KVCache, cfg: RetentionConfig) -> KVAccounting:
     units = spec.num_layers * spec.num_kv_heads
     meta = units * (4 + 4 + 1) + 4 if cfg.policy != "streaming" else 0  # acc, norm, tier; c_samp
     fixed = units * (spec.head_dim + 1) * 4 if cfg.uses_key_only else 0
-    return KVAccounting(spec.block_size, spec.block_bytes, meta if cfg.policy != "full" else 0, fixed)
+    pairs = tuple((int(PRECISION_TIERS[p]), tier_pair_bytes(spec, TIER_BITS[PRECISION_TIERS[p]],
+                                                            cfg.tiers.precision_group))
+                  for p in cfg.tiers.precisions) if cfg.uses_precision else ()
+    return KVAccounting(spec.block_size, spec.block_bytes, meta if cfg.policy != "full" else 0, fixed, pairs)
 
 
 @dataclass
@@ -80,6 +95,7 @@ class RetentionState:
     base: int = 0
     protect: int = 0
     schedule: ScheduleState = field(default_factory=ScheduleState)  # the budget schedule's account
+    frozen: int = 0  # slots [base, base + frozen): whole blocks of precision tiers (compressed)
 
     def __post_init__(self) -> None:
         shape = (self.num_layers, self.num_kv_heads, self.base)
@@ -98,6 +114,11 @@ class RetentionState:
     @property
     def num_slots(self) -> int:
         return self.pos.shape[-1]
+
+    @property
+    def key_start(self) -> int:
+        """First KEY_ONLY slot: after the shared prefix and the frozen precision-tier blocks."""
+        return self.base + self.frozen
 
     @property
     def wants_probs(self) -> bool:
@@ -155,9 +176,21 @@ class RetentionState:
         return self.num_slots * self.acct.meta_bytes_per_slot + self.acct.fixed_bytes
 
     def tier_counts(self, num_computed: int) -> tuple[int, int, int]:
-        """(FULL, KEY_ONLY, DISCARD) tokens per unit (the same in every unit)."""
+        """(FULL, KEY_ONLY, DISCARD) tokens per unit (the same in every unit); precision-tier tokens
+        are not FULL (``precision_counts``)."""
         n = self.num_slots
-        return n - self.n_key, self.n_key, max(num_computed - n, 0)
+        compressed = sum(self.precision_counts().values())
+        return n - self.n_key - compressed, self.n_key, max(num_computed - n, 0)
+
+    def precision_counts(self) -> dict[str, int]:
+        """Tokens per unit at each precision tier (frozen and staged), by tier name."""
+        row = self.tiers[0, 0] if self.tiers.numel() else self.tiers.reshape(-1)
+        return {name: int((row == tier).sum()) for name, tier in PRECISION_TIERS.items()
+                if name in self.cfg.tiers.precisions}
+
+    def frozen_block_tiers(self) -> list[int]:
+        bs = self.acct.block_size
+        return [int(self.tiers[0, 0, s]) for s in range(self.base, self.key_start, bs)]
 
     def _view(self, length: int) -> SlotView:
         """Units flattened: [L * Hkv, n] (policies see units, not layers and heads)."""
@@ -167,7 +200,7 @@ class RetentionState:
                         acc=self.acc.reshape(-1, n), norm=self.norm.reshape(-1, n),
                         c_samp=c[self.pos].reshape(-1, n), length=length, prev_length=self.prev_decision,
                         group=self.group, prev_window=self.prev_window, heads=self.num_kv_heads,
-                        fixed=max(self.base, self.protect))
+                        fixed=max(self.base, self.protect), base=self.base, frozen_end=self.key_start)
 
     def target_bytes(self, length: int, under_pressure: bool) -> int:
         cfg = self.cfg

@@ -26,11 +26,21 @@ from enum import IntEnum
 import torch
 from torch import Tensor
 
+from confkv_api.config import check_tiers
+
 
 class Tier(IntEnum):
     FULL = 0
     KEY_ONLY = 1
     DISCARD = 2
+    # Precision tiers (``precision``): K and V stored through the cache's codec at fewer bits.
+    INT8 = 3
+    INT4 = 4
+    INT2 = 5
+
+
+PRECISION_TIERS = {"int8": Tier.INT8, "int4": Tier.INT4, "int2": Tier.INT2}
+TIER_BITS = {Tier.INT8: 8, Tier.INT4: 4, Tier.INT2: 2}
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,17 @@ class KVAccounting:
     half_block_bytes: int
     meta_bytes_per_slot: int = 0
     fixed_bytes: int = 0
+    # (tier, bytes of one K + V block pair at that precision, positions included), per precision tier
+    pair_bytes: tuple[tuple[int, int], ...] = ()
+
+    def tier_pair_bytes(self, tier: int) -> int:
+        """Bytes of one K + V block pair of ``tier``: two pool blocks for FULL, the codec's otherwise."""
+        if tier == Tier.FULL:
+            return 2 * self.half_block_bytes
+        for t, n in self.pair_bytes:
+            if t == tier:
+                return n
+        raise ValueError(f"no byte cost known for tier {Tier(tier).name}")
 
     def blocks(self, n: int) -> int:
         return -(-n // self.block_size)
@@ -63,6 +84,13 @@ class KVAccounting:
     def full_bytes(self, length: int) -> int:
         """What the full cache holds at ``length`` tokens (K and V blocks, no retention metadata)."""
         return 2 * self.blocks(length) * self.half_block_bytes
+
+
+def chain_from_names(names: list[str] | tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
+    """``confkv.tiers`` / ``kv_tiers`` (the kept tiers, highest first; DISCARD is implied) as
+    (key_only, precisions) of a ``TierConfig``. Raises ValueError for a chain ``check_tiers`` refuses."""
+    kept = check_tiers(list(names))[1:]
+    return kept == ["key_only"], tuple(n for n in kept if n != "key_only")
 
 
 GRANULARITIES = ("head", "layer", "token")
@@ -99,6 +127,14 @@ class TierConfig:
     # alike ("layer", confidence averaged over the heads), or the sequence ("token", averaged over
     # all units). Measured in docs/retention.md (Granularity).
     granularity: str = "head"
+    # Precision tiers between FULL and DISCARD, highest first (e.g. ("int4", "int2")); empty: the
+    # FULL / KEY_ONLY / DISCARD chain. See ``precision``.
+    precisions: tuple[str, ...] = ()
+    # Relative loss of a token at int8 / int4 / int2 (FULL 0, DISCARD 1): what the budget walk trades
+    # against bytes (``precision.step_weights``); tuned on tokens [6144, 12288).
+    precision_loss: tuple[float, float, float] = (0.002, 0.02, 0.3)
+    # Value group of the codec (keys: min(group, block_size)); the cache compression's groupSize.
+    precision_group: int = 64
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.medium < self.high <= 1.0:
@@ -112,6 +148,25 @@ class TierConfig:
             raise ValueError(f"granularity must be one of {choices}, got {self.granularity!r}")
         if not 0.0 <= self.window_fraction < 1.0:
             raise ValueError(f"window_fraction must be in [0, 1), got {self.window_fraction}")
+        self._check_precisions()
+
+    def _check_precisions(self) -> None:
+        unknown = [p for p in self.precisions if p not in PRECISION_TIERS]
+        if unknown:
+            raise ValueError(f"unknown precision tier {unknown[0]!r}; choose from int8, int4, int2")
+        bits = [TIER_BITS[PRECISION_TIERS[p]] for p in self.precisions]
+        if bits != sorted(set(bits), reverse=True):
+            raise ValueError(f"precision tiers must be distinct and highest first, got "
+                             f"{list(self.precisions)}")
+        loss = self.precision_loss
+        if len(loss) != 3 or not 0.0 < loss[0] < loss[1] < loss[2] < 1.0:
+            raise ValueError(f"precision_loss (int8, int4, int2) must increase within (0, 1), got {loss}")
+
+    @property
+    def uses_key_only(self) -> bool:
+        """KEY_ONLY is the FULL / KEY_ONLY / DISCARD chain's; with precision tiers it is dominated (a
+        KEY_ONLY token costs half a FULL one, more than int8 keeping its value: docs/retention.md)."""
+        return self.key_only and not self.precisions
 
     def effective_window(self, budget_tokens: int, block_size: int) -> int:
         """The always-FULL recent window: the configured one, or a block-aligned share of the budget."""

@@ -1,0 +1,110 @@
+"""Retention's precision tiers in the pool: a sequence's private blocks stored through the compressed
+store, re-quantized to fewer bits, or dropped.
+
+Retention (``retention.compaction``) lays a sequence out as ``[shared prefix][frozen][rewritable]``:
+the *frozen* region is whole blocks, each holding slots of one precision tier (int8, int4 or int2)
+in every (layer, KV head), stored as negative handles in the same arenas the cache's compression
+of cold blocks uses (``arena``, codec ``block_codecs``: keys per channel, values per token) and
+decoded on read by the same gather (``KVCache.gather``). So attention needs no second dequant path.
+
+Why these blocks are handled here and not by ``compress``: their K slots hold a different token
+per (layer, head), so the handle keeps the positions (``CompressedStore.put(positions=...)``,
+counted in the block's bytes), and every operation is on one sequence's *private* blocks: a block
+with another holder (a shared prefix block, a prefix-cache entry) is refused, so a reader never
+recompresses or demotes what it shares.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+from confkv_engine.cache.arena import CompressedStore, block_codecs
+from confkv_engine.cache.block_pool import BlockPool
+from confkv_engine.cache.codec import CodecSpec, encode_rows
+from confkv_engine.cache.layout import CacheSpec, SeqKV
+
+
+class TieredCache(Protocol):
+    """The parts of ``kv_cache.KVCache`` used here (it is the only implementation)."""
+
+    spec: CacheSpec
+    pool: BlockPool
+    store: CompressedStore
+    kv: Tensor
+    pos: Tensor
+    null_block: int
+
+    def _clear_positions(self, blocks: list[int]) -> None: ...
+
+    def _allocate(self, n: int) -> list[int]: ...
+
+
+def tier_codecs(spec: CacheSpec, bits: int, group: int) -> tuple[CodecSpec, CodecSpec]:
+    """Per-layer (key, value) codecs of a tier block: the cache's compression codecs."""
+    return block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, bits, group)
+
+
+def tier_pair_bytes(spec: CacheSpec, bits: int, group: int) -> int:
+    """Bytes of one K block plus one V block at ``bits``, all layers, the K block's positions included
+    (what ``KVCache.seq_bytes`` counts for them)."""
+    k, v = tier_codecs(spec, bits, group)
+    positions = spec.num_layers * spec.block_size * spec.num_kv_heads * 4
+    return (k.nbytes + v.nbytes) * spec.num_layers + positions
+
+
+def _private(cache: TieredCache, blocks: list[int]) -> None:
+    if any(b == cache.null_block or cache.store.ref(b) != 1 for b in blocks):
+        raise ValueError("precision tiers act only on a sequence's private blocks (a shared block is "
+                         "never recompressed or demoted by one of its readers)")
+
+
+def freeze_blocks(cache: TieredCache, seq: SeqKV, start: int, bits: list[int], group: int) -> int:
+    """Store table entries ``start, start + 1, ...`` (K and V, private pool blocks) at ``bits[i]``.
+    Stops at the first block the codec refuses (inf, nan, beyond fp16); returns the blocks stored."""
+    bs = cache.spec.block_size
+    for i, b in enumerate(bits):
+        k_block, v_block = seq.k_blocks[start + i], seq.v_blocks[start + i]
+        _private(cache, [k_block, v_block])
+        if k_block < 0 or v_block < 0:
+            raise ValueError("freeze_blocks takes pool blocks, not compressed ones")
+        k_spec, v_spec = tier_codecs(cache.spec, b, group)
+        try:  # copies: both pool blocks are freed before the arenas ask for a host
+            k_rows = encode_rows(cache.kv[:, k_block], k_spec)
+            v_rows = encode_rows(cache.kv[:, v_block], v_spec)
+        except ValueError:
+            return i
+        positions = cache.pos[:, k_block * bs:(k_block + 1) * bs, :].clone()
+        cache._clear_positions([k_block])
+        cache.pool.free([k_block, v_block])
+        seq.k_blocks[start + i] = cache.store.put(k_rows, k_spec, 1, None, lambda: cache._allocate(1)[0],
+                                                  positions)
+        seq.v_blocks[start + i] = cache.store.put(v_rows, v_spec, 1, None, lambda: cache._allocate(1)[0])
+    return len(bits)
+
+
+def requantize_block(cache: TieredCache, seq: SeqKV, index: int, bits: int, group: int) -> None:
+    """Re-encode the sequence's compressed block pair ``index`` at ``bits`` (a one-way demotion)."""
+    _private(cache, [seq.k_blocks[index], seq.v_blocks[index]])
+    specs = tier_codecs(cache.spec, bits, group)
+    for table, spec in ((seq.k_blocks, specs[0]), (seq.v_blocks, specs[1])):
+        handle = table[index]
+        if handle >= 0:
+            raise ValueError("requantize_block takes compressed blocks")
+        rows = encode_rows(cache.store.decode_block(handle), spec)
+        positions = cache.store.positions(handle)
+        cache.store.release([handle])
+        table[index] = cache.store.put(rows, spec, 1, None, lambda: cache._allocate(1)[0], positions)
+
+
+def drop_blocks(cache: TieredCache, seq: SeqKV, indices: list[int]) -> None:
+    """Remove table entries ``indices`` (K and V) and their slots; later slots move down by whole
+    blocks (positions of pool blocks travel with them)."""
+    for i in sorted(set(indices), reverse=True):
+        pair = [seq.k_blocks[i], seq.v_blocks[i]]
+        _private(cache, pair)
+        cache._clear_positions([b for b in pair if b >= 0])
+        cache.store.release(pair)
+        del seq.k_blocks[i], seq.v_blocks[i]
+    seq.num_slots -= cache.spec.block_size * len(set(indices))

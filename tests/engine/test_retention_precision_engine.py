@@ -1,0 +1,111 @@
+"""Precision tiers through LLMEngine (tiny random Llama, fp32): the bytes the pool holds equal the
+budget walk's accounting after every step, greedy replay after preemption is identical, and a
+shared prefix block is never recompressed or demoted by one of its readers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv_engine.cache.tiered import freeze_blocks, requantize_block
+from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
+from confkv_engine.retention import precision
+from confkv_engine.retention.policies import RetentionConfig
+from confkv_engine.retention.tiers import Tier, TierConfig
+from tests.engine.test_retention_engine import CHUNK, GreedyAdmission, loaded, make_engine, prompt
+
+__all__ = ["loaded"]  # the module fixture, shared with the retention engine tests
+
+pytest.importorskip("transformers")
+
+TIERS = TierConfig(window=CHUNK, medium=0.3, key_only=False, precisions=("int4", "int2"), precision_group=16)
+
+
+def tiered(f: float) -> RetentionConfig:
+    return RetentionConfig(policy="conf-kv", tiers=TIERS, budget=f)
+
+
+def walk_bytes(state) -> int:
+    """What ``precision.held_bytes`` says the sequence holds, from its tiers alone."""
+    kept = precision.chain_of(state.cfg.tiers)
+    rewritable = state.tiers[0, 0, state.key_start:]
+    staged = [int((rewritable == t).sum()) for t in kept[1:]]
+    n_full = rewritable.numel() - sum(staged)
+    return precision.held_bytes(state.acct, state.base, state.frozen_block_tiers(), n_full, staged, kept[1:])
+
+
+def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
+    eng = make_engine(loaded, retention=tiered(0.25))
+    eng.add_request("a", prompt(300), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    frozen_seen = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        for seq in eng.scheduler.running:
+            st = seq.policy_state
+            held = eng.retention.held_bytes(seq.kv, st)
+            assert held == walk_bytes(st), seq.num_computed
+            floor = st.acct.held_bytes(4 + CHUNK, 4 + CHUNK)
+            slack = st.acct.held_bytes(CHUNK, CHUNK)
+            assert held <= max(0.25 * st.acct.full_bytes(seq.num_computed), floor) + slack
+            frozen_seen = max(frozen_seen, st.frozen)
+            # Frozen blocks are compressed handles in both tables; the rest are pool blocks.
+            nb = st.key_start // 16
+            assert all(b < 0 for b in seq.kv.k_blocks[:nb] + seq.kv.v_blocks[:nb])
+            assert all(b >= 0 for b in seq.kv.k_blocks[nb:])
+    usage = outs[-1].kv_usage
+    assert frozen_seen > 0 and usage.tokens_int4 + usage.tokens_int2 > 0
+    assert eng.cache.num_free == eng.cache.num_blocks and len(eng.cache.store) == 0  # all back
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: with preemptions (40-block pool) one replayed request "
+                   "(the 140-token prompt) decodes token 0 repeatedly once tiers froze blocks, with or "
+                   "without the prefix cache; in an 80-block pool (no preemption) all six match their solo "
+                   "runs. Not yet found.")
+def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded) -> None:
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    prompts = [prompt(n, i) for i, n in enumerate([90, 130, 160, 110, 100, 140])]
+    solo = [make_engine(loaded, retention=tiered(0.5)).generate([p], params)[0] for p in prompts]
+    eng = make_engine(loaded, blocks=40, retention=tiered(0.5))
+    eng.scheduler.admission = GreedyAdmission(eng.retention)  # no reservations: force preemptions
+    together = eng.generate(prompts, params)
+    assert eng.scheduler.num_preemptions > 0
+    assert any(o.kv_usage.tokens_int4 + o.kv_usage.tokens_int2 for o in solo)
+    for a, b in zip(solo, together, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.kv_usage.tokens_int4 == b.kv_usage.tokens_int4
+
+
+def test_shared_prefix_blocks_are_never_recompressed_or_demoted(loaded) -> None:
+    eng = make_engine(loaded, prefixCache={"enabled": True})
+    shared = prompt(128, 5)
+    eng.generate([shared + prompt(8, 6)], SamplingParams(temperature=0, max_tokens=1))  # registers it
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, kv_policy="conf-kv", kv_budget=0.6,
+                            kv_tiers=("full", "int4", "int2"))
+    eng.add_request("r", shared + prompt(300, 7), params)
+    before, tables, frozen_seen = None, None, False
+    while eng.has_unfinished():
+        eng.step()
+        for seq in eng.scheduler.running:
+            st = seq.policy_state
+            assert st is not None and st.base == 128
+            prefix = seq.kv.k_blocks[:8] + seq.kv.v_blocks[:8]
+            data = torch.stack([eng.cache.store.block_data(b) for b in prefix])
+            if before is None:
+                before, tables = data.clone(), prefix
+            assert prefix == tables and torch.equal(data, before)  # same blocks, same bytes
+            if st.frozen:
+                frozen_seen = True
+                with pytest.raises(ValueError, match="private blocks"):
+                    freeze_blocks(eng.cache, seq.kv, 0, [4], 16)
+                with pytest.raises(ValueError, match="private blocks"):
+                    requantize_block(eng.cache, seq.kv, 0, 2, 16)
+    assert frozen_seen
+
+
+def test_bad_tiers_are_a_clear_request_error(loaded) -> None:
+    eng = make_engine(loaded)
+    with pytest.raises(InvalidRequest) as err:
+        eng.add_request("x", prompt(40), SamplingParams(max_tokens=2, kv_policy="conf-kv", kv_budget=0.5,
+                                                       kv_tiers=("full", "int2", "int4")))
+    assert err.value.param == "kv_tiers" and "highest first" in str(err.value)
+    assert Tier.INT4 in precision.chain_of(TIERS)

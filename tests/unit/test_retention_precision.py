@@ -1,0 +1,140 @@
+"""Precision tiers (pure): thresholds onto the chain, the budget walk's order, per-unit assignment,
+byte accounting with staged and frozen blocks, whole-block demotion of frozen blocks, config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv_api.config import ConfKVSection
+from confkv_engine.retention.precision import (
+    assign_chain,
+    decide_precision,
+    held_bytes,
+    step_weights,
+    threshold_chain,
+    walk,
+)
+from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig, chain_from_names
+
+F, I4, I2, D = Tier.FULL, Tier.INT4, Tier.INT2, Tier.DISCARD
+KEPT = [F, I4, I2]
+CFG = TierConfig(sinks=1, window=2, key_only=False, precisions=("int4", "int2"))
+# One token per block: a FULL pair costs 100 bytes, int4 30, int2 20 (no metadata).
+ACCT1 = KVAccounting(block_size=1, half_block_bytes=50, pair_bytes=((I4, 30), (I2, 20)))
+
+
+def test_thresholds_map_onto_the_chain_and_never_discard() -> None:
+    conf = torch.tensor([0.95, 0.9, 0.8, 0.7, 0.69, 0.0])
+    assert threshold_chain(conf, CFG).tolist() == [0, 0, 1, 1, 2, 2]  # FULL, FULL, int4, int4, int2, int2
+    one = TierConfig(key_only=False, precisions=("int4",))
+    assert threshold_chain(conf, one).tolist() == [0, 0, 1, 1, 1, 1]
+
+
+def test_step_weights_are_loss_per_byte_saved() -> None:
+    # FULL -> int4 saves 70 bytes for 0.02, int4 -> int2 10 for 0.28, int2 -> DISCARD 20 for 0.7.
+    assert step_weights(CFG, ACCT1) == pytest.approx([0.02 / 70, 0.28 / 10, 0.7 / 20])
+
+
+def test_walk_demotes_the_cheapest_step_until_it_fits() -> None:
+    profile = [0.9, 0.8, 0.5, 0.2]
+    weights = [0.02 / 70, 0.28 / 10, 0.7 / 20]
+
+    def under(target: int):
+        return lambda c, blocks: 100 * c[0] + 30 * c[1] + 20 * c[2] <= target
+
+    def counts(target: int) -> list[int]:
+        return walk(profile, [4, 0, 0], weights, under(target))[0]
+
+    assert counts(400) == [4, 0, 0]
+    assert counts(330) == [3, 1, 0]  # the lowest FULL to int4 first
+    assert counts(120) == [0, 4, 0]
+    assert counts(110) == [0, 3, 1]
+    # Then the least confident is dropped rather than int2 for everyone: 0.2 x 0.035 < 0.5 x 0.028,
+    # and 0.5 x 0.035 < 0.8 x 0.028: the two most confident stay at int4.
+    assert counts(60) == [0, 2, 0]
+    assert counts(0) == [0, 0, 0]
+
+
+def test_walk_demotes_a_frozen_block_when_it_is_the_cheapest_step() -> None:
+    weights = [0.02 / 70, 0.28 / 10, 0.7 / 20]
+
+    def under(target: int):
+        return lambda c, blocks: 100 * c[0] + 30 * c[1] + sum((30, 20, 0)[j - 1] for j in blocks) <= target
+
+    # One int4 candidate (confidence 0.9) and one frozen int4 block (mean 0.1): the block goes to int2
+    # (0.1 x 0.028 < 0.9 x 0.028), then it is dropped (0.1 x 0.035) before the candidate moves.
+    assert walk([0.9], [0, 1, 0], weights, under(50), (0.1,), (1,)) == ([0, 1, 0], [2])
+    assert walk([0.9], [0, 1, 0], weights, under(30), (0.1,), (1,)) == ([0, 1, 0], [3])
+
+
+def test_assignment_is_by_rank_per_unit_and_one_way() -> None:
+    conf = torch.tensor([[0.9, 0.1, 0.5, 0.3], [0.2, 0.8, 0.7, 0.9]])
+    tiers = torch.tensor([[F, F, F, F], [F, I4, F, F]], dtype=torch.int8)
+    out = assign_chain(conf, tiers, torch.ones(2, 4, dtype=torch.bool), [1, 2, 0], KEPT)
+    # Unit 0: its best FULL, then the next two. Unit 1: token 1 is the second best but already int4,
+    # so the best FULL-eligible ones are 3 (FULL) and then 1, 2 (int4); token 0 is dropped.
+    assert out.tolist() == [[F, D, I4, I4], [D, I4, I4, F]]
+
+
+def test_held_bytes_counts_staged_remainders_at_full_and_whole_blocks_at_codec_size() -> None:
+    acct = KVAccounting(block_size=2, half_block_bytes=100, meta_bytes_per_slot=1,
+                        pair_bytes=((I4, 60), (I2, 40)))
+    # Frozen: one int4 block (and a dropped one). 3 FULL + 3 staged int4 (one block + 1) + 1 int2:
+    # pool slots 3 + 1 + 1 = 5 -> 3 blocks of K and V; codec 60 + 60; metadata for 2 + 7 slots.
+    assert held_bytes(acct, 0, [I4, D], 3, [3, 1], [I4, I2]) == 2 * 3 * 100 + 120 + 9
+    # A shared prefix of 2 slots is one more pair of pool blocks.
+    assert held_bytes(acct, 2, [], 2, [0, 0], [I4, I2]) == 2 * 2 * 100 + 4
+
+
+def _decide(conf, tiers, target, length=7, prev=0, pos=None, frozen_end=0, acct=ACCT1):
+    n = len(conf)
+    pos = torch.arange(n)[None] if pos is None else torch.tensor([pos])
+    out = decide_precision(pos, torch.tensor([tiers], dtype=torch.int8), torch.tensor([conf]), length, prev,
+                           CFG, acct, target, None, 0, frozen_end)
+    return out[0].tolist()
+
+
+def test_exiting_tokens_take_threshold_tiers_sinks_and_window_stay_full() -> None:
+    conf = [0.0, 0.95, 0.95, 0.8, 0.5, 0.0, 0.0]
+    # Sink 0 and window 5, 6 are FULL; tokens 1..4 leave the window: FULL, FULL, int4, int2.
+    assert _decide(conf, [F] * 7, target=10**6) == [F, F, F, I4, I2, F, F]
+    assert _decide(conf, [F] * 7, target=550) == [F, F, F, I4, I2, F, F]  # 300 + 200 + 30 + 20
+
+
+def test_budget_walk_on_exact_bytes() -> None:
+    conf = [0.0, 0.95, 0.95, 0.8, 0.5, 0.0, 0.0]
+    # 480: one FULL goes to int4 (the cheapest step); equal confidences: the later slot goes.
+    assert _decide(conf, [F] * 7, target=480) == [F, F, I4, I4, I2, F, F]
+    # 330 = the protected 300 + 30: int2 is cheaper per byte than dropping for all but the last one.
+    assert _decide(conf, [F] * 7, target=330) == [F, I2, D, D, D, F, F]
+
+
+def test_frozen_blocks_are_demoted_whole_by_mean_confidence() -> None:
+    # Slots 0, 1 are frozen int4 blocks (positions 2, 3); then sink 0, candidate 1, window 4, 5.
+    pos = [2, 3, 0, 1, 4, 5]
+    tiers = [I4, I4, F, F, F, F]
+    conf = [0.6, 0.4, 0.0, 0.9, 0.0, 0.0]
+    kw = {"length": 6, "prev": 6, "pos": pos, "frozen_end": 2}
+    assert _decide(conf, tiers, target=460, **kw) == tiers  # 3 x 100 protected + 100 + 2 x 30 frozen
+    # 380: the candidate goes to int4 (cheapest), then the frozen block with the lowest mean confidence
+    # (slot 1, 0.4) to int2 before the 0.9 candidate would: 0.4 x 0.028 < 0.9 x 0.028.
+    assert _decide(conf, tiers, target=380, **kw) == [I4, I2, F, I4, F, F]
+    # 350: slot 1 again (int2 -> DISCARD: 0.4 x 0.035), then slot 0 (0.6 x 0.028) before the candidate.
+    assert _decide(conf, tiers, target=350, **kw) == [I2, D, F, I4, F, F]
+
+
+def test_chain_names_and_config_validation() -> None:
+    assert chain_from_names(["full", "int4", "int2"]) == (False, ("int4", "int2"))
+    assert chain_from_names(["full", "key_only"]) == (True, ())
+    assert chain_from_names(["full"]) == (False, ())
+    for bad in (["int4"], ["full", "int2", "int4"], ["full", "key_only", "int4"], ["full", "int4", "int4"]):
+        with pytest.raises(ValueError):
+            chain_from_names(bad)
+    assert ConfKVSection.model_validate({"tiers": ["full", "int8", "int2"]}).tiers == ["full", "int8", "int2"]
+    with pytest.raises(ValueError, match="highest first"):
+        ConfKVSection.model_validate({"tiers": ["full", "int2", "int8"]})
+    with pytest.raises(ValueError, match="precision tier"):
+        TierConfig(key_only=False, precisions=("int3",))
+    with pytest.raises(ValueError, match="precision_loss"):
+        TierConfig(key_only=False, precisions=("int4",), precision_loss=(0.1, 0.05, 0.3))
