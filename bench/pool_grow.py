@@ -2,7 +2,7 @@
 (``cache.growth``: one reallocation and copy), at SmolLM2-135M's block layout (30 layers, 3 KV heads,
 head_dim 64, 16-token blocks), with the pool half full of written blocks so the copy is real.
 
-    flock /work/wt/cpu.lock .venv/bin/python bench/pool_grow.py [--device cuda] [--repeats 3]
+    .venv/bin/python bench/pool_grow.py [--device cuda] [--repeats 3]
 
 Prints one line per (dtype, from -> to) with the best and median milliseconds of the grow, and
 writes bench/results/pool_grow.json. The engine holds its lock for that long: the grow lands
