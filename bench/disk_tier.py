@@ -8,7 +8,7 @@
    in-memory LRU tier that spills into a ``DiskStore``; disk hits and bytes written for several
    ``min_uses`` (1 = every evicted block goes to disk).
 
-    flock /work/wt/cpu.lock .venv/bin/python bench/disk_tier.py [--dir /path/on/nvme] [--quick]
+    .venv/bin/python bench/disk_tier.py [--dir /path/on/nvme] [--quick]
 
 Prints tables and writes bench/results/disk_tier.json. Timings are of the filesystem under --dir.
 """
