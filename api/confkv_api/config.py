@@ -216,6 +216,10 @@ def check_tiers(tiers: list[str]) -> list[str]:
     if "key_only" in rest:
         raise ValueError("key_only cannot be combined with int8/int4/int2 (it costs more than a precision "
                          "tier that keeps the value); use ['full', 'key_only']")
+    unknown = [t for t in rest if t not in _PRECISION_BITS]
+    if unknown:
+        raise ValueError(f"after 'full' only precision tiers ({', '.join(_PRECISION_BITS)}) or 'key_only' "
+                         f"may follow, got {tiers}")
     bits = [_PRECISION_BITS[t] for t in rest]
     if bits != sorted(set(bits), reverse=True):
         raise ValueError(f"precision tiers must be distinct and highest first, got {tiers}")

@@ -128,12 +128,15 @@ def test_chain_names_and_config_validation() -> None:
     assert chain_from_names(["full", "int4", "int2"]) == (False, ("int4", "int2"))
     assert chain_from_names(["full", "key_only"]) == (True, ())
     assert chain_from_names(["full"]) == (False, ())
-    for bad in (["int4"], ["full", "int2", "int4"], ["full", "key_only", "int4"], ["full", "int4", "int4"]):
+    for bad in (["int4"], ["full", "int2", "int4"], ["full", "key_only", "int4"], ["full", "int4", "int4"],
+                ["full", "int2", "int4", "full"], ["full", "full"]):  # the fuzzer's find: 'full' again
         with pytest.raises(ValueError):
             chain_from_names(bad)
     assert ConfKVSection.model_validate({"tiers": ["full", "int8", "int2"]}).tiers == ["full", "int8", "int2"]
     with pytest.raises(ValueError, match="highest first"):
         ConfKVSection.model_validate({"tiers": ["full", "int2", "int8"]})
+    with pytest.raises(ValueError, match="only precision tiers"):
+        ConfKVSection.model_validate({"tiers": ["full", "int4", "full"]})
     with pytest.raises(ValueError, match="precision tier"):
         TierConfig(key_only=False, precisions=("int3",))
     with pytest.raises(ValueError, match="precision_loss"):
