@@ -106,10 +106,13 @@ def _documented(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": _WHEN[code]} for code in codes}
 
 
-# With ``stream: true`` the 200 is server-sent events.
+# With ``stream: true`` the 200 is server-sent events. The schema describes one event (SSE
+# validators check each event against it): ``data`` is a JSON chunk, or ``[DONE]`` last.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _STREAMABLE: dict[int | str, dict[str, Any]] = {
     200: {"description": "The completion, or with stream=true its server-sent events",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+          "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 def _auth_dependency(api_key: str | None) -> Callable[[Request], None]:
