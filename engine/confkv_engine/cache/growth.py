@@ -43,7 +43,6 @@ class KVCache(Protocol):
     store: CompressedStore
     kv: Tensor
     kv_flat: Tensor
-    _kv_moved: Tensor
     scale: Tensor | None
     pos: Tensor
 
@@ -79,7 +78,5 @@ def grow_pool(cache: KVCache, physical_blocks: int, limit_bytes: int | None = No
         cache.scale = scale
     cache.kv, cache.pos = kv, pos
     cache.kv_flat = kv.view(spec.num_layers, physical_blocks * bs, h, d)
-    # What retention's rewrite moves: a one-byte pool moves its raw bytes (as at construction).
-    cache._kv_moved = cache.kv_flat.view(torch.uint8) if kv.element_size() == 1 else cache.kv_flat
     cache.store.rebind(kv)
     cache.pool.grow(physical_blocks)

@@ -98,9 +98,6 @@ class KVCache:
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
         self.kv_flat = self.kv.view(spec.num_layers, num_blocks * bs, h, d)
-        # What retention's rewrite moves: float8 lacks indexing kernels on some devices, so a
-        # one-byte pool moves its bytes (the same values).
-        self._kv_moved = self.kv_flat.view(torch.uint8) if self.kv.element_size() == 1 else self.kv_flat
         self.pos = torch.full((spec.num_layers, num_blocks * bs, h), -1, dtype=torch.int32,
                               device=spec.device)
         # An int8 pool's fp16 scale of every (layer, slot, KV head); None for float pools.
@@ -123,6 +120,12 @@ class KVCache:
         return cls(spec, int(num_blocks), prefix_salt, eviction_k)
 
     # ---- capacity --------------------------------------------------------------------------
+    @property
+    def kv_moved(self) -> Tensor:
+        """``kv_flat`` as retention's rewrite moves it: float8 lacks indexing kernels on some
+        devices, so a one-byte pool moves its bytes (the same values)."""
+        return self.kv_flat.view(torch.uint8) if self.kv_flat.element_size() == 1 else self.kv_flat
+
     @property
     def num_blocks(self) -> int:
         """Blocks sequences can hold: the pool less the null block and blocks retired by a lower

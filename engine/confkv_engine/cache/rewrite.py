@@ -23,10 +23,12 @@ class KVCache(Protocol):
     store: CompressedStore
     kv: Tensor
     kv_flat: Tensor
-    _kv_moved: Tensor  # kv_flat, as raw bytes for a one-byte pool
     scale: Tensor | None  # an int8 pool's per-(layer, slot, head) scales
     pos: Tensor
     null_block: int
+
+    @property
+    def kv_moved(self) -> Tensor: ...
 
     def slot_index(self, blocks: list[int], slots: Tensor) -> Tensor: ...
 
@@ -47,7 +49,7 @@ def rewrite_seq(cache: KVCache, seq: SeqKV, order: Tensor, n_key: int, base: int
     layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
     head = torch.arange(spec.num_kv_heads, device=dev)[None, :, None]
     k_src = cache.slot_index(seq.k_blocks, src)
-    kv, v_src = cache._kv_moved, cache.slot_index(seq.v_blocks, src[..., n_key:])
+    kv, v_src = cache.kv_moved, cache.slot_index(seq.v_blocks, src[..., n_key:])
     keys, pos, vals = kv[layer, k_src, head], cache.pos[layer, k_src, head], kv[layer, v_src, head]
     sc = cache.scale
     scales = None if sc is None else (sc[layer, k_src, head], sc[layer, v_src, head])
