@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -42,3 +43,24 @@ def test_serial_torch_ops_is_per_thread(two_threads):
     # The calling thread, torch's global setting and threads started later keep theirs.
     assert torch.get_num_threads() == before
     assert _in_thread(torch.get_num_threads) == before
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+def test_a_serial_thread_starts_no_thread_pool_even_through_mkl(two_threads):
+    """The codec's maths (``log2`` goes to MKL's vector library where torch links MKL, and MKL sizes
+    its own OpenMP region from the process-wide count) must run inline in a serial thread: a second
+    team there halved the engine thread's decode speed."""
+    x = torch.rand(64, 16, 3, 64) + 0.5
+
+    def helper() -> tuple[int, int]:
+        serial_torch_ops()
+        before = _os_threads()
+        torch.log2(x), torch.exp2(x), torch.log(x), torch.exp(x), x.amax(-1), x @ x.transpose(-1, -2)
+        return before, _os_threads()
+
+    before, after = _in_thread(helper)
+    assert after == before
