@@ -57,15 +57,14 @@ def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
     assert eng.cache.num_free == eng.cache.num_blocks and len(eng.cache.store) == 0  # all back
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: with preemptions (40-block pool) one replayed request "
-                   "(the 140-token prompt) decodes token 0 repeatedly once tiers froze blocks, with or "
-                   "without the prefix cache; in an 80-block pool (no preemption) all six match their solo "
-                   "runs. Not yet found.")
-def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded) -> None:
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded, prefix_cache: bool) -> None:
+    # Preemptions free every compressed block of the victims, so arenas empty and their hosts go back
+    # to the pool while others run: a replay then decodes over blocks that were hosts.
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     prompts = [prompt(n, i) for i, n in enumerate([90, 130, 160, 110, 100, 140])]
     solo = [make_engine(loaded, retention=tiered(0.5)).generate([p], params)[0] for p in prompts]
-    eng = make_engine(loaded, blocks=40, retention=tiered(0.5))
+    eng = make_engine(loaded, blocks=40, retention=tiered(0.5), prefixCache={"enabled": prefix_cache})
     eng.scheduler.admission = GreedyAdmission(eng.retention)  # no reservations: force preemptions
     together = eng.generate(prompts, params)
     assert eng.scheduler.num_preemptions > 0
