@@ -57,15 +57,14 @@ def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
     assert eng.cache.num_free == eng.cache.num_blocks and len(eng.cache.store) == 0  # all back
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: with preemptions (40-block pool) one replayed request "
-                   "(the 140-token prompt) decodes token 0 repeatedly once tiers froze blocks, with or "
-                   "without the prefix cache; in an 80-block pool (no preemption) all six match their solo "
-                   "runs. Not yet found.")
-def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded) -> None:
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded, prefix_cache: bool) -> None:
+    # Preemptions free every compressed block of the victims, so arenas empty and their hosts go back
+    # to the pool while others run: a replay then decodes over blocks that were hosts.
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     prompts = [prompt(n, i) for i, n in enumerate([90, 130, 160, 110, 100, 140])]
     solo = [make_engine(loaded, retention=tiered(0.5)).generate([p], params)[0] for p in prompts]
-    eng = make_engine(loaded, blocks=40, retention=tiered(0.5))
+    eng = make_engine(loaded, blocks=40, retention=tiered(0.5), prefixCache={"enabled": prefix_cache})
     eng.scheduler.admission = GreedyAdmission(eng.retention)  # no reservations: force preemptions
     together = eng.generate(prompts, params)
     assert eng.scheduler.num_preemptions > 0
@@ -75,10 +74,13 @@ def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded) -> None:
         assert a.kv_usage.tokens_int4 == b.kv_usage.tokens_int4
 
 
-def test_shared_prefix_blocks_are_never_recompressed_or_demoted(loaded) -> None:
+@pytest.mark.parametrize("compressed", [False, True])
+def test_shared_prefix_blocks_are_never_recompressed_or_demoted(loaded, compressed: bool) -> None:
     eng = make_engine(loaded, prefixCache={"enabled": True})
     shared = prompt(128, 5)
     eng.generate([shared + prompt(8, 6)], SamplingParams(temperature=0, max_tokens=1))  # registers it
+    if compressed:  # the cached prefix is int8 compressed blocks: the reader shares handles, not pool ids
+        assert eng.compress(bits=8, force=True).blocks == 16
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, kv_policy="conf-kv", kv_budget=0.6,
                             kv_tiers=("full", "int4", "int2"))
     eng.add_request("r", shared + prompt(300, 7), params)
@@ -92,14 +94,22 @@ def test_shared_prefix_blocks_are_never_recompressed_or_demoted(loaded) -> None:
             data = torch.stack([eng.cache.store.block_data(b) for b in prefix])
             if before is None:
                 before, tables = data.clone(), prefix
+                assert all((b < 0) == compressed for b in prefix)
             assert prefix == tables and torch.equal(data, before)  # same blocks, same bytes
+            assert all(eng.cache.store.ref(b) == 2 for b in prefix)  # the prefix index and this reader
             if st.frozen:
                 frozen_seen = True
+                assert all(b < 0 for b in seq.kv.k_blocks[8:st.key_start // 16])  # its own frozen blocks
                 with pytest.raises(ValueError, match="private blocks"):
                     freeze_blocks(eng.cache, seq.kv, 0, [4], 16)
                 with pytest.raises(ValueError, match="private blocks"):
                     requantize_block(eng.cache, seq.kv, 0, 2, 16)
     assert frozen_seen
+    # Once the reader is gone the index still holds the same blocks with the same bytes.
+    assert tables is not None and before is not None
+    entries = eng.cache.match(shared, 8)
+    assert [e.k_block for e in entries] + [e.v_block for e in entries] == tables
+    assert torch.equal(torch.stack([eng.cache.store.block_data(b) for b in tables]), before)
 
 
 def test_bad_tiers_are_a_clear_request_error(loaded) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from engine_server import EngineServer
+from engine_server import MODEL, EngineServer
 
 from confkv_api import metrics as names
 
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 API_KEY = "test-key-123"
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # PROMPT under SmolLM2's tokenizer (the input of the id test)
+SERVER_FLAGS = ("--weights", "fp32", "--max-batch-size", "1", "--max-waiting", "1", "--prefill-chunk", "32")
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (workdir / "confkv.json").write_text(json.dumps({"confkv": {"window": 32}}))
     # fp32 weights: echo logprobs are compared with the in-process fp32 benchmark, and the quantized
     # kernels are chosen per row count, so their rounding depends on how a prompt is chunked.
-    srv = EngineServer(workdir, "--weights", "fp32", "--max-batch-size", "1", "--max-waiting", "1",
-                       "--prefill-chunk", "32",
-                       "--config", str(workdir / "confkv.json"),
+    srv = EngineServer(workdir, *SERVER_FLAGS, "--config", str(workdir / "confkv.json"),
                        "--grpc-socket", str(workdir / "control.sock"), api_key=API_KEY)
     try:
         srv.wait_ready()
@@ -256,6 +255,44 @@ def test_echo_logprobs_under_retention_equal_the_benchmark_in_process(server: En
     usage, kv = data["usage"], ref["usage"]
     assert usage["kv_tokens_discarded"] == kv.tokens_discarded > 0  # the budget really acted
     assert (usage["kv_tokens_full"], usage["kv_tokens_key_only"]) == (kv.tokens_full, kv.tokens_key_only)
+    assert usage["peak_kv_bytes"] == kv.peak_kv_bytes > 0
+
+
+def test_echo_logprobs_with_precision_tiers_equal_the_engine_in_process(
+        server: EngineServer, client: openai.OpenAI, model: str) -> None:
+    """``kv_tiers`` over HTTP: the prompt's logprobs while retention freezes int4 / int2 blocks equal an
+    in-process engine's built from the server's own flags, for the same request fields."""
+    from pydoc_data.topics import topics
+
+    import torch
+
+    from confkv_engine.cli import build_config, build_parser
+    from confkv_engine.core.engine import LLMEngine
+    from confkv_engine.core.sampling_params import SamplingParams
+    from confkv_engine.model.loader import load_model
+
+    server_config = server.log_path.parent / "confkv.json"  # the fixture's workdir
+    config = build_config(build_parser().parse_args(["serve", "--model", MODEL, *SERVER_FLAGS,
+                                                     "--config", str(server_config)]))
+    loaded = load_model(MODEL, torch.float32, "cpu", weights="fp32")
+    tokens = loaded.tokenizer.encode(topics["assert"] + topics["assignment"], add_bos=False)[:300]
+    tiers = ("full", "int4", "int2")
+    engine = LLMEngine(loaded, config)
+    ref = engine.generate([tokens], SamplingParams(max_tokens=0, prompt_logprobs=1, kv_policy="conf-kv",
+                                                   kv_budget=0.5, kv_tiers=tiers))[0]
+    fields = {"kv_policy": "conf-kv", "kv_budget": 0.5, "kv_tiers": list(tiers)}
+    resp = client.completions.create(model=model, prompt=tokens, max_tokens=0, echo=True, logprobs=1,
+                                     extra_body=fields)
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.token_logprobs[0] is None
+    got = torch.tensor(lp.token_logprobs[1:], dtype=torch.float64)
+    want = torch.tensor([e.logprob for e in ref.prompt_logprobs[1:]], dtype=torch.float64)
+    assert got.shape == want.shape == (299,)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    usage, kv = resp.usage.model_dump(), ref.kv_usage
+    assert usage["kv_tokens_int4"] + usage["kv_tokens_int2"] > 0  # tiers really froze blocks
+    assert (usage["kv_tokens_full"], usage["kv_tokens_int4"], usage["kv_tokens_int2"]) == (
+        kv.tokens_full, kv.tokens_int4, kv.tokens_int2)
     assert usage["peak_kv_bytes"] == kv.peak_kv_bytes > 0
 
 

@@ -14,6 +14,7 @@ from confkv_engine.attention.paged import PagedAttention
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.codec import decode_rows, encode_rows
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
+from confkv_engine.cache.tiered import freeze_blocks
 from confkv_engine.core.compression import CompressionWorker
 
 SMOLLM2 = (30, 3, 64)  # layers, KV heads, head_dim
@@ -245,3 +246,37 @@ def test_worker_compresses_cold_blocks_and_stops_cleanly() -> None:
 def test_bad_group_size_is_refused_with_a_clear_message() -> None:
     with pytest.raises(ValueError, match="groupSize 48 must divide head_dim 64"):
         block_codecs(16, 3, 64, 8, 48)
+
+
+def test_hosts_freed_by_a_preemption_come_back_zeroed_and_a_replay_attends_over_them_cleanly() -> None:
+    """A preemption frees a sequence's frozen precision-tier blocks; the emptied arenas hand their hosts
+    back to the pool, and the next sequence gets them as K/V blocks whose unwritten slots attention
+    reads (masked). Codec bytes there read as NaN in an fp32 pool and would make the row NaN."""
+    hq = 4
+    cache, dense = make_cache(9), make_cache(9)  # 8 usable blocks, the null block is 0
+    a = SeqKV()
+    fill(cache, a, 2 * BS)
+    assert (a.k_blocks, a.v_blocks) == ([1, 2], [3, 4])
+    cache.kv[:, 3] = torch.tensor([0.0, 0.0, 1.0, 1.0]).repeat(8)  # int8 codes 0, 0, 255, 255: NaN words
+    assert freeze_blocks(cache, a, 0, [8], 32) == 1
+    hosts = {spec.axis: arena.hosts for spec, arena in cache.store.arenas.items()}
+    assert hosts == {0: [5], 2: [6]}  # K and V arenas, one host each, taken after the freed 1 and 3
+    assert not torch.isfinite(cache.kv[:, 6]).all()  # the V host's codec bytes, read as fp32
+    cache.free(a)  # what a preemption does (``Scheduler.requeue_front``)
+    assert len(cache.store) == 0 and cache.store.num_hosts == 0
+    assert cache.pool.free_block_ids() == [7, 8, 1, 3, 2, 5, 4, 6]  # each arena's host after its table
+    assert not cache.kv[:, [5, 6]].any()  # zeroed when the arenas emptied
+    b, ref = SeqKV(), SeqKV()
+    fill(cache, b, 3 * BS + 1, seed=3)
+    fill(dense, ref, 3 * BS + 1, seed=3)
+    assert (b.k_blocks, b.v_blocks) == ([7, 8, 1, 3], [2, 5, 4, 6])  # its last V block was the V host
+    gen = torch.Generator().manual_seed(4)
+    backends = PagedAttention(cache, hq), PagedAttention(dense, hq)
+    for c, s, backend in ((cache, b, backends[0]), (dense, ref, backends[1])):
+        c.reserve(s, 1)
+        backend.begin_step([s], [1], torch.tensor([s.num_slots]))
+    for layer in range(cache.spec.num_layers):
+        q, k, v = (torch.randn(1, n, 32, generator=gen) for n in (hq, 2, 2))
+        out, expected = (backend.attend(layer, q, k, v) for backend in backends)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)

@@ -10,9 +10,11 @@ byte addresses are computed with tensors (host ``hosts[v // host_bytes]``, offse
 and the saving is the codec's exact byte ratio, with no rounding to whole pool blocks.
 
 The arena grows one host at a time when it runs out of slots, and hands *all* its hosts back to
-the pool when its last slot is freed. Slots never move (a handle stays valid while referenced), so a
-fragmented arena keeps its hosts until it empties; the lowest free slot is reused first, which keeps
-the live slots packed at the start of the stream.
+the pool when its last slot is freed, zeroed: read as the pool's dtype, codec bytes may be NaN or
+inf, and a block's unwritten slots are read too (attention masks them, but a zero weight times NaN
+is NaN), so a host handed to a sequence as a K or V block would poison its rows. Slots never move
+(a handle stays valid while referenced), so a fragmented arena keeps its hosts until it empties; the
+lowest free slot is reused first, which keeps the live slots packed at the start of the stream.
 
 **Handles.** A table entry (``SeqKV.k_blocks``, ``CachedBlock.k_block``) is a pool block id (>= 0) or
 a handle (< 0) naming (arena, slot). Handles are counted references like pool blocks: the store
@@ -234,7 +236,7 @@ class CompressedStore:
         self._refs[handle] += 1
 
     def free(self, handle: int) -> list[int]:
-        """Drop one reference; returns the pool blocks an emptied arena hands back."""
+        """Drop one reference; returns the pool blocks an emptied arena hands back (zeroed)."""
         if self._refs.get(handle, 0) <= 0:
             raise ValueError(f"compressed block {handle} freed twice")
         self._refs[handle] -= 1
@@ -242,7 +244,11 @@ class CompressedStore:
             return []
         del self._refs[handle]
         h = self._handles.pop(handle)
-        return h.arena.release_slot(h.slot)
+        hosts = h.arena.release_slot(h.slot)
+        if hosts:  # no codec bytes go back to the pool (see the module docstring)
+            index = torch.tensor(hosts, dtype=torch.long, device=self.bytes.device)
+            self.bytes.view(self.num_layers, -1, self.host_bytes).index_fill_(1, index, 0)
+        return hosts
 
     def first_pos(self, handle: int) -> int | None:
         return self._handles[handle].first_pos
