@@ -109,23 +109,23 @@ def test_worker_compresses_cold_cached_blocks_and_stops(loaded) -> None:
         assert eng.stats().kv_blocks_compressed == 2 * len(eng.cache.eviction) > 0
     finally:
         eng.stop_compression()
-    assert eng._compressor is None
+    assert not eng.compression_control.running
 
 
 def test_live_compression_config(loaded) -> None:
     eng = make_engine(loaded, enabled=False)
     eng.start_compression()
-    assert eng._compressor is not None and not eng._compressor.running  # disabled: no thread
+    assert not eng.compression_control.running  # disabled: no thread
     section = ConfKVSection.model_validate({"compression": {"enabled": True, "bits": 4}})
     eng.apply_policy(section, eng.max_batch_size, ["confkv.compression.enabled", "confkv.compression.bits"])
-    assert eng._compressor.running and eng.compression.bits == 4
+    assert eng.compression_control.running and eng.compression.bits == 4
     bad = ConfKVSection.model_validate({"compression": {"groupSize": 48}})
     with pytest.raises(PolicyRejected, match="groupSize 48 must divide head_dim 64"):
         eng.apply_policy(bad, eng.max_batch_size, ["confkv.compression.groupSize"])
-    assert eng.compression.bits == 4 and eng._compressor.running  # nothing changed
+    assert eng.compression.bits == 4 and eng.compression_control.running  # nothing changed
     off = ConfKVSection.model_validate({"compression": {"enabled": False}})
     eng.apply_policy(off, eng.max_batch_size, ["confkv.compression.enabled"])
-    assert not eng._compressor.running
+    assert not eng.compression_control.running
     eng.stop_compression()
     with pytest.raises(InvalidRequest, match="bits must be 8 or 4"):
         eng.compress(bits=2)

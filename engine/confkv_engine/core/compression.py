@@ -15,6 +15,11 @@ encodes, never for a whole sweep. On CUDA the encode runs on a side stream that 
 compute stream (the last step's writes) and is synchronised before the lock is released (the freed
 pool blocks may be handed out by the next step); on CPU it runs inline. A live config change applies
 to blocks compressed from then on (compressed blocks keep the codec they were written with).
+
+**Control.** ``CompressionControl`` is the one owner of the live settings and the worker: the
+engine holds one and delegates its control-plane calls to it. The worker exists once the server
+has started it (``start``); a live ``enabled`` change then starts or stops its thread. An engine
+driven in-process (tests, benchmarks) compresses only when asked (``compress``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from typing import Protocol
 
 import torch
 
+from confkv_api.config import CompressionSection
+from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.kv_cache import CompressResult, KVCache, SeqKV
+from confkv_engine.core.control_api import PolicyRejected
+from confkv_engine.core.sampling_params import InvalidRequest
 from confkv_engine.core.threads import serial_torch_ops
 
 log = logging.getLogger(__name__)
@@ -115,3 +124,67 @@ class CompressionWorker:
             except Exception:  # a failed pass must not kill serving; the next pass retries
                 log.exception("KV compression pass failed")
             self.passes += 1
+
+
+class CompressionControl:
+    """The engine's live compression settings and its background worker (see the module doc)."""
+
+    def __init__(self, cache: KVCache, lock: threading.RLock, device: torch.device,
+                 config: CompressionSection) -> None:
+        self.cache = cache
+        self.config = config
+        self._lock = lock  # the engine's step lock: a pass lands between two steps
+        self._device = device
+        self._worker: CompressionWorker | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is alive."""
+        return self._worker is not None and self._worker.running
+
+    def compress(self, running: list[HoldsBlocks], bits: int | None, force: bool) -> CompressResult:
+        """Compress now with ``bits`` (default: the config's); see ``LLMEngine.compress``."""
+        cfg = self.config
+        bits = cfg.bits if bits is None else bits
+        if bits not in (8, 4):
+            raise InvalidRequest(f"compression bits must be 8 or 4, got {bits}", param="bits")
+        with self._lock, torch.inference_mode():
+            return compress_blocks(self.cache, running, bits, cfg.group_size, cfg.cold_after_seconds,
+                                   force, limit=self.cache.pool.num_blocks * 2)
+
+    def start(self) -> None:
+        """Create the worker; its thread runs while the config says ``enabled``."""
+        if self._worker is None:
+            stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+            self._worker = CompressionWorker(lambda: self._pass(stream))
+        if self.config.enabled:
+            self._worker.start()
+
+    def stop(self) -> None:
+        """Stop the worker and wait for it (a pass in progress completes first)."""
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+    def checked(self, cfg: CompressionSection) -> CompressionSection:
+        """``cfg`` if this cache's codec can take it, else ``PolicyRejected`` (nothing changed)."""
+        spec = self.cache.spec
+        try:
+            block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, cfg.bits, cfg.group_size)
+        except ValueError as err:
+            raise PolicyRejected(f"invalid policy: {err}") from None
+        return cfg
+
+    def set(self, cfg: CompressionSection) -> None:
+        """Live settings (checked by ``checked``); a started worker follows ``enabled``."""
+        self.config = cfg
+        if self._worker is not None:
+            if cfg.enabled:
+                self._worker.start()
+            else:
+                self._worker.stop()
+
+    def _pass(self, stream: torch.cuda.Stream | None) -> CompressResult:
+        cfg = self.config
+        with self._lock, torch.inference_mode(), encode_stream(self._device, stream):
+            return self.cache.compress_cold(cfg.bits, cfg.group_size, cfg.cold_after_seconds, BLOCKS_PER_PASS)

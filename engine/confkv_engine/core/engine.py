@@ -30,12 +30,11 @@ import torch
 
 from confkv_api.config import CompressionSection, ConfKVConfig, ConfKVSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
-from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.kv_cache import CacheSpec, CompressResult, KVCache, resolve_cache_bytes
 from confkv_engine.cache.layout import requested_cache_bytes, resolve_cache_dtype
 from confkv_engine.cache.offload import DiskTier
 from confkv_engine.core import sampling
-from confkv_engine.core.compression import BLOCKS_PER_PASS, CompressionWorker, compress_blocks, encode_stream
+from confkv_engine.core.compression import CompressionControl
 from confkv_engine.core.control_api import (
     BATCH_FIELD,
     COMPRESSION_FIELD,
@@ -129,8 +128,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.num_finished = 0
-        self.compression = config.confkv.compression  # live: see apply_policy
-        self._compressor: CompressionWorker | None = None
+        self.compression_control = CompressionControl(self.cache, self._lock, self.device,
+                                                      config.confkv.compression)  # live: apply_policy
         self._oom_fault = OomFault.from_env()  # off unless CONFKV_FAULT_OOM_EVERY is set
 
     # ---- requests --------------------------------------------------------------------------
@@ -432,7 +431,7 @@ class LLMEngine:
                 raise PolicyRejected(f"invalid policy: {err}") from None
         compression = None
         if any(p.startswith(COMPRESSION_FIELD) for p in changed):
-            compression = self._checked_compression(confkv.compression)
+            compression = self.compression_control.checked(confkv.compression)
         if max_batch_size < 1:
             raise PolicyRejected(f"invalid policy: maxBatchSize must be >= 1, got {max_batch_size}")
         with self._lock:  # the engine steps under this lock: the change lands between two steps
@@ -446,7 +445,7 @@ class LLMEngine:
                 ev = confkv.eviction
                 self.cache.set_eviction_k(ev.k if ev.policy == "LRU-K" else 1)
         if compression is not None:  # outside the lock: stopping the worker waits for its pass
-            self._set_compression(compression)
+            self.compression_control.set(compression)
 
     # ---- conveniences ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]],
@@ -495,51 +494,22 @@ class LLMEngine:
                 "disk_loaded": tier.loaded, "rebuild_records_skipped": store.rebuild_skipped}
 
     # ---- compression (``core.compression``) -------------------------------------------------
+    @property
+    def compression(self) -> CompressionSection:
+        """The live compression settings."""
+        return self.compression_control.config
+
     def compress(self, bits: int | None = None, force: bool = False) -> CompressResult:
         """Compress KV blocks now with ``bits`` (default: the config's). Not forced: evictable cached
         blocks unused for coldAfterSeconds. Forced: every evictable cached block, then running
         requests' blocks outside the recent window. Pool blocks it frees are usable at once."""
-        cfg = self.compression
-        bits = cfg.bits if bits is None else bits
-        if bits not in (8, 4):
-            raise InvalidRequest(f"compression bits must be 8 or 4, got {bits}", param="bits")
-        with self._lock, torch.inference_mode():
-            return compress_blocks(self.cache, list(self.scheduler.running), bits, cfg.group_size,
-                                   cfg.cold_after_seconds, force, limit=self.cache.pool.num_blocks * 2)
+        return self.compression_control.compress(list(self.scheduler.running), bits, force)
 
     def start_compression(self) -> None:
         """Start the background worker (compresses cold cached blocks); a no-op when compression is
         disabled in the config, and it starts later if a live change enables it."""
-        if self._compressor is None:
-            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            self._compressor = CompressionWorker(lambda: self._compression_pass(stream))
-        if self.compression.enabled:
-            self._compressor.start()
+        self.compression_control.start()
 
     def stop_compression(self) -> None:
         """Stop the background worker and wait for it (a pass in progress completes first)."""
-        if self._compressor is not None:
-            self._compressor.stop()
-            self._compressor = None
-
-    def _compression_pass(self, stream: torch.cuda.Stream | None) -> CompressResult:
-        cfg = self.compression
-        with self._lock, torch.inference_mode(), encode_stream(self.device, stream):
-            return self.cache.compress_cold(cfg.bits, cfg.group_size, cfg.cold_after_seconds, BLOCKS_PER_PASS)
-
-    def _checked_compression(self, cfg: CompressionSection) -> CompressionSection:
-        spec = self.cache.spec
-        try:
-            block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, cfg.bits, cfg.group_size)
-        except ValueError as err:
-            raise PolicyRejected(f"invalid policy: {err}") from None
-        return cfg
-
-    def _set_compression(self, cfg: CompressionSection) -> None:
-        """Live compression settings (checked by ``_checked_compression``); the worker follows ``enabled``."""
-        self.compression = cfg
-        if self._compressor is not None:
-            if cfg.enabled:
-                self._compressor.start()
-            else:
-                self._compressor.stop()
+        self.compression_control.stop()
