@@ -280,3 +280,35 @@ def test_hosts_freed_by_a_preemption_come_back_zeroed_and_a_replay_attends_over_
         out, expected = (backend.attend(layer, q, k, v) for backend in backends)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+def test_a_hit_on_compressed_entries_decodes_them_back_into_pool_blocks_when_admission_has_room() -> None:
+    cache = make_cache(9, prefix=True)  # 8 usable blocks
+    a = SeqKV()
+    fill(cache, a, 3 * BS)
+    tokens = list(range(3 * BS))
+    cache.register(a, tokens)
+    original = blocks_of(cache, a.k_blocks), blocks_of(cache, a.v_blocks)
+    cache.free(a)
+    assert cache.compress_cold(4, 64, cold_after=0.0, limit=10).blocks == 6
+    ref_k, ref_v = reference(cache, torch.stack(original), 4)
+    # A reader that shares the compressed entries with no room to spare reads them through the codec.
+    reader = SeqKV()
+    cache.attach(reader, cache.match(tokens, 3)[:1], 0)
+    assert reader.k_blocks[0] < 0 and reader.v_blocks[0] < 0
+    # Room for two blocks: the first entry is shared (it stays), the second is decoded into the
+    # two free pool blocks, and the third stays compressed.
+    b = SeqKV()
+    cache.attach(b, cache.match(tokens, 3), 0, spare=2)
+    # Handles: the chain's tail was released first, so compressed first (-1, -2), its head last
+    # (-5, -6, shared by the reader); the middle entry (-3, -4) comes back as pool blocks 3 and 6.
+    assert (b.k_blocks, b.v_blocks) == ([-5, 3, -1], [-6, 6, -2])
+    assert b.k_blocks[0] == reader.k_blocks[0] and b.v_blocks[0] == reader.v_blocks[0]
+    entry = cache.match(tokens, 3)[1]
+    assert (entry.k_block, entry.v_block) == (b.k_blocks[1], b.v_blocks[1])  # the index holds them too
+    assert cache.store.ref(entry.k_block) == 2 and cache.store.ref(entry.v_block) == 2
+    assert len(cache.store) == 4
+    # The decoded blocks hold what the codec held, and the K block its positions again.
+    assert torch.equal(blocks_of(cache, b.k_blocks), ref_k)
+    assert torch.equal(blocks_of(cache, b.v_blocks), ref_v)
+    assert torch.equal(cache.slot_positions(b), torch.arange(3 * BS).expand_as(cache.slot_positions(b)))

@@ -11,6 +11,14 @@ K blocks are compressed only when their slots hold consecutive positions in ever
 that is true of full blocks of requests without retention and of prefix entries, and it means a
 compressed K block needs no position metadata (``KVCache.slot_positions`` regenerates it). A block
 holding values the codec refuses (inf, nan, beyond fp16) stays uncompressed.
+
+The way back (``promote_entry``): a prefix hit on an entry whose blocks were compressed while it
+was idle decodes them into pool blocks again when admission has blocks to spare, so a hot prefix
+that went cold once (a server idle for ``coldAfterSeconds``) is not dequantized in every layer of
+every decode step of every request that shares it from then on (measured: 34.9 against 18.8 ms
+per token behind a 768-token compressed system prompt). Only a handle the index alone holds is
+promoted (no reader sees its table change); with no room it stays compressed and is read through
+the codec as before.
 """
 
 from __future__ import annotations
@@ -146,3 +154,27 @@ def _consecutive_start(cache: KVCache, block: int) -> int | None:
 def _result(cache: KVCache, blocks: int, used_before: int) -> CompressResult:
     freed = used_before - cache.pool.num_used
     return CompressResult(blocks, freed, freed * cache.spec.block_bytes)
+
+
+def promote_entry(cache: KVCache, entry: CachedBlock, spare: int) -> tuple[CachedBlock, int]:
+    """Decode ``entry``'s compressed blocks back into at most ``spare`` pool blocks (see the module
+    doc); returns the entry as the index now holds it and the pool blocks it took."""
+    handles = [(kind, b) for kind, b in (("k", entry.k_block), ("v", entry.v_block)) if b < 0]
+    if not handles or len(handles) > spare or cache.prefix is None:
+        return entry, 0
+    if any(cache.store.ref(h) != 1 for _, h in handles):
+        return entry, 0  # a running request reads it through its handle: leave it
+    if any(kind == "k" and cache.store.first_pos(h) is None for kind, h in handles):
+        return entry, 0
+    blocks = {"k": entry.k_block, "v": entry.v_block}
+    for (kind, handle), block in zip(handles, cache._allocate(len(handles)), strict=True):
+        cache.kv[:, block] = cache.store.decode_block(handle)
+        if kind == "k":
+            bs, first = cache.spec.block_size, cache.store.first_pos(handle)
+            cache.pos[:, block * bs:(block + 1) * bs] = torch.arange(
+                first, first + bs, dtype=cache.pos.dtype, device=cache.pos.device)[None, :, None]
+        blocks[kind] = block
+    cache.store.release([h for _, h in handles])
+    promoted = replace(entry, k_block=blocks["k"], v_block=blocks["v"])
+    cache.prefix.replace(promoted)
+    return promoted, len(handles)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from confkv_engine.cache.arena import CompressedStore, GatherPlan
 from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
-from confkv_engine.cache.compress import compress_cold_entries, compress_seq_blocks
+from confkv_engine.cache.compress import compress_cold_entries, compress_seq_blocks, promote_entry
 from confkv_engine.cache.eviction import LRUK
 from confkv_engine.cache.growth import grow_pool
 from confkv_engine.cache.layout import (
@@ -303,16 +303,21 @@ class KVCache:
         handles = [b for e in evictable for b in (e.k_block, e.v_block) if b < 0]
         return sum(2 - _handles(e) for e in evictable) + self.store.hosts_pinned_by(handles)
 
-    def attach(self, seq: SeqKV, entries: list[CachedBlock], queried_tokens: int) -> int:
-        """Share ``entries`` as the start of an empty sequence; returns the tokens they cover."""
+    def attach(self, seq: SeqKV, entries: list[CachedBlock], queried_tokens: int, spare: int = 0) -> int:
+        """Share ``entries`` as the start of an empty sequence; returns the tokens they cover. Up to
+        ``spare`` blocks (what admission can give beyond its own need) decode compressed entries back
+        into pool blocks (``compress.promote_entry``)."""
         if seq.num_slots or seq.k_blocks:
             raise ValueError("a prefix attaches to an empty sequence only")
         self._clock += 1
-        for e in entries:
-            self.store.incref_all([e.k_block, e.v_block])
+        for e in entries:  # all taken out of the evictable set first: a promotion may evict
             if self.eviction.acquire(e.key):
                 self._set_idle(e, -1)
                 self._cold.pop(e.key, None)
+        for i, e in enumerate(entries):
+            e, used = promote_entry(self, e, spare)
+            entries[i], spare = e, spare - used
+            self.store.incref_all([e.k_block, e.v_block])
             self.eviction.touch(e.key, self._clock)
         seq.k_blocks = [e.k_block for e in entries]
         seq.v_blocks = [e.v_block for e in entries]

@@ -233,12 +233,14 @@ class Scheduler:
             need = 2 * (-(-(start + n) // bs) - len(hits))
             reserved = self._headroom(seq)
             taken = self.cache.evictable_among(hits)  # shared now, so no longer reclaimable
-            if n == 0 or not self.cache.can_allocate(promised + max(need, reserved or 0) + taken):
+            wanted = promised + max(need, reserved or 0) + taken
+            if n == 0 or not self.cache.can_allocate(wanted):
                 break
             del self.waiting[i]
             seq.disk_asked = False  # a later replay (after a preemption) may read from disk again
             first = not seq.admitted
-            seq.num_computed = self.cache.attach(seq.kv, hits, seq.prompt_len if first else 0)
+            seq.num_computed = self.cache.attach(seq.kv, hits, seq.prompt_len if first else 0,
+                                                 spare=self.cache.num_free - wanted)
             if first:
                 seq.admitted, seq.prefix_len = True, seq.num_computed
             self.cache.reserve(seq.kv, n)
