@@ -193,12 +193,15 @@ def test_a_per_request_policy_brings_its_own_budget(server: EngineServer, policy
 
 def _worst_health_while(server: EngineServer, request: threading.Thread) -> float:
     worst = 0.0
-    request.start()
-    while request.is_alive():
-        start = time.monotonic()
-        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - start)
-        time.sleep(0.02)
+    # One client, a new connection per probe as the kubelet's: the time is the server's, not that of
+    # building an httpx client per call (its TLS context alone takes some 20 ms).
+    with httpx.Client(timeout=30, headers={"Connection": "close"}) as client:
+        request.start()
+        while request.is_alive():
+            start = time.monotonic()
+            assert client.get(f"{server.url}/health").status_code == 200
+            worst = max(worst, time.monotonic() - start)
+            time.sleep(0.02)
     request.join()
     return worst
 

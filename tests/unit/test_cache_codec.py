@@ -7,22 +7,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from confkv_engine.cache.codec import (
-    CodecSpec,
-    EncodedBlock,
-    decode,
-    decode_rows,
-    encode,
-    encode_rows,
-    encoded_nbytes,
-    key_spec,
-    pack,
-    pack6,
-    quantize,
-    unpack,
-    unpack6,
-    value_spec,
-)
+from confkv_engine.cache.bitpack import pack, pack6, unpack, unpack6
+from confkv_engine.cache.codec import EncodedBlock, decode, decode_rows, encode, encode_rows
+from confkv_engine.cache.codec_spec import CodecSpec, encoded_nbytes, key_spec, value_spec
+from confkv_engine.cache.group_quant import quantize
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache
 
 SMOLLM2_BLOCK = (30, 16, 3, 64)  # [L, block_size, Hkv, D]
@@ -216,7 +204,7 @@ def test_encoded_size_is_exact_for_the_smollm2_block(spec: CodecSpec, expected: 
 
 
 def test_byte_ratios_against_the_model_dtype_block() -> None:
-    """The table in the codec's docstring; prints it (pytest -s)."""
+    """The table in the docstring of ``cache.codec_spec``; prints it (pytest -s)."""
     elems = 30 * 16 * 3 * 64
     bf16, fp32 = 2 * elems, 4 * elems
     layouts = (("K g16 dq6", lambda b: key_spec(SMOLLM2_BLOCK, b)),

@@ -78,7 +78,7 @@ def test_round_trip_is_the_codecs_exactly_and_the_ratio_is_its_bytes(dtype: torc
     block = SMOLLM2[0] * BS * SMOLLM2[1] * SMOLLM2[2] * elem
     k_ratio = cache.store.nbytes(seq.k_blocks[0]) / block
     v_ratio = cache.store.nbytes(seq.v_blocks[0]) / block
-    # Group parameters included (codec docstring table): bf16 K dq6 0.550 / 0.300, V 0.531 / 0.281;
+    # Group parameters included (codec_spec docstring table): bf16 K dq6 0.550 / 0.300, V 0.531 / 0.281;
     # an fp32 pool keeps fp16 key parameters, K 0.625 / 0.375 of a bf16 block, half that of its own.
     expected = {(8, 2): (3378 / 6144, 0.53125), (4, 2): (1842 / 6144, 0.28125),
                 (8, 4): (0.625 / 2, 0.53125 / 2), (4, 4): (0.375 / 2, 0.28125 / 2)}

@@ -1,14 +1,22 @@
-"""Large bodies parsed and rendered off the event loop (``http.body``) give exactly what FastAPI's
-own ``json.loads`` and ``JSONResponse`` give: the same objects, the same errors, the same bytes."""
+"""Large bodies parsed, validated and rendered off the event loop (``http.body``) give exactly what
+FastAPI's own ``json.loads``, validation and ``JSONResponse`` give: the same objects, the same
+errors, the same bytes; their id lists are freed a slice at a time once nothing else holds them."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+from pydantic import BaseModel, ValidationError
 
-from confkv_engine.http.body import parse_json, render_json
+from confkv_engine.http import body as large_bodies
+from confkv_engine.http.body import free_in_slices, parse_json, render_json, validate_large_body
+from confkv_engine.http.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 
 
 @pytest.mark.parametrize("body", [
@@ -47,3 +55,93 @@ def test_render_json_sends_the_bytes_json_response_sends(content: dict) -> None:
     response = render_json(content)
     assert response.body == JSONResponse(content).body
     assert response.media_type == "application/json"
+
+
+IDS = [100 + (i * 7919) % 49_000 for i in range(20_000)]
+
+
+@pytest.mark.parametrize(("model", "data"), [
+    (CompletionRequest, {"prompt": IDS, "max_tokens": 3, "temperature": 0.5}),
+    (CompletionRequest, {"prompt": [IDS], "stop_token_ids": IDS[:100]}),
+    (CompletionRequest, {"prompt": [IDS, [], [7]], "n": 2}),
+    (CompletionRequest, {"prompt": [*IDS, 2**80], "seed": None}),  # pydantic takes any int
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": IDS}),
+    (DetokenizeRequest, {"tokens": IDS}),
+])
+def test_validate_large_body_builds_the_model_pydantic_builds(model: type[BaseModel], data: dict) -> None:
+    held: list[list] = []
+    validated = validate_large_body(model, data, held)
+    assert isinstance(validated, model)
+    assert validated.model_dump() == model.model_validate(data).model_dump()
+    assert validated.model_fields_set == model.model_validate(data).model_fields_set
+    assert held and all(any(ids is value for value in data.values()) for ids in held)
+
+
+@pytest.mark.parametrize("data", [
+    {"prompt": [*IDS, 1.5]},  # a float id: FastAPI's own validation names it
+    {"prompt": [*IDS, True]},  # bool is not an id for StrictInt
+    {"prompt": [*IDS, "7"]},
+    {"prompt": [IDS, 7]},
+    {"prompt": IDS, "temperature": 5},  # the ids are fine, another field is not
+    {"prompt": IDS, "unknown": 1},
+    {"prompt": "text", "max_tokens": 2},  # no ids: nothing to shortcut
+    [IDS],
+])
+def test_validate_large_body_leaves_other_bodies_to_fastapi(data: object) -> None:
+    held: list[list] = []
+    assert validate_large_body(CompletionRequest, data, held) is data
+    assert held == []
+
+
+def test_a_text_prompt_is_checked_beyond_its_first_text() -> None:
+    with pytest.raises(ValidationError, match="surrogate"):
+        CompletionRequest.model_validate({"prompt": ["fine", "\udfff"]})
+
+
+def test_free_in_slices_frees_only_what_nothing_else_holds() -> None:
+    kept, kept_inner = list(IDS), list(IDS)
+    held = [list(IDS), kept, [list(IDS), kept_inner, list(IDS[:10])]]
+    assert free_in_slices(held) == 1 + 1 + 2  # flat, nested, and the nested one's unshared two
+    assert held == [] and kept == IDS and kept_inner == IDS
+
+
+def _echo_app(route_class: type[APIRoute]) -> FastAPI:
+    app = FastAPI()
+
+    @app.exception_handler(RequestValidationError)
+    async def _errors(_: Request, err: RequestValidationError) -> JSONResponse:
+        return JSONResponse([{k: e[k] for k in ("type", "loc", "msg")} for e in err.errors()], 400)
+
+    router = APIRouter(route_class=route_class)
+
+    @router.post("/completions")
+    async def completions(req: CompletionRequest) -> dict:
+        if req.max_tokens == 0:
+            raise HTTPException(418, "refused")  # a request refused from its handler
+        return {"ids": req.prompt[:3], "count": len(req.prompt), "max_tokens": req.max_tokens}
+
+    app.include_router(router)
+    return app
+
+
+@pytest.mark.parametrize(("body", "freed_lists"), [
+    ({"prompt": IDS * 10, "max_tokens": 4}, [1]),
+    ({"prompt": IDS * 10, "max_tokens": 0}, [1]),  # refused: its frames are gone before the free
+    ({"prompt": [*IDS * 10, 0.5], "max_tokens": 4}, []),
+    ({"prompt": IDS * 10, "temperature": 9}, []),
+    ({"prompt": ["a" * 300_000, "\udfff"]}, []),
+])
+def test_large_bodies_through_the_route_answer_as_fastapi_answers(
+        body: dict, freed_lists: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    freed: list[int] = []
+    real_free = large_bodies.free_in_slices
+    monkeypatch.setattr(large_bodies, "free_in_slices", lambda held: freed.append(real_free(held)))
+    content = json.dumps(body)
+    assert len(content) > large_bodies.OFF_LOOP_BYTES
+    headers = {"Content-Type": "application/json"}
+    with TestClient(_echo_app(large_bodies.LargeBodyOffLoopRoute)) as off_loop, \
+            TestClient(_echo_app(APIRoute)) as plain:
+        got = off_loop.post("/completions", content=content, headers=headers)
+        expected = plain.post("/completions", content=content, headers=headers)
+    assert (got.status_code, got.json()) == (expected.status_code, expected.json())
+    assert freed == freed_lists

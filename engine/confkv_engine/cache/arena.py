@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from confkv_engine.cache.block_pool import BlockPool
-from confkv_engine.cache.codec import CodecSpec, decode_rows
+from confkv_engine.cache.codec import decode_rows
+from confkv_engine.cache.codec_spec import CodecSpec
 from confkv_engine.cache.layout import to_storage
 
 
@@ -44,7 +45,7 @@ def block_codecs(block_size: int, num_kv_heads: int, head_dim: int, bits: int,
     ``element_bytes`` per element.
 
     Keys are grouped per channel along tokens, values per token along head_dim (as
-    ``codec.key_spec`` / ``value_spec``). ``group`` is the value group; a key group cannot span more
+    ``codec_spec.key_spec`` / ``value_spec``). ``group`` is the value group; a key group cannot span more
     than one block's tokens, so keys use ``min(group, block_size)``. Key parameters are fp16 in an
     fp32 pool (0.31x / 0.19x of its block at int8 / int4 already, and the most accurate) and dq6 in a
     16-bit or smaller one, where fp16 parameters would hold 0.63x / 0.38x of a bf16 block.

@@ -31,7 +31,8 @@ from torch import Tensor
 
 from confkv_engine.cache.arena import CompressedStore, block_codecs
 from confkv_engine.cache.block_pool import BlockPool
-from confkv_engine.cache.codec import CodecSpec, encode_rows
+from confkv_engine.cache.codec import encode_rows
+from confkv_engine.cache.codec_spec import CodecSpec
 from confkv_engine.cache.eviction import LRUK
 from confkv_engine.cache.layout import CacheSpec, CompressResult, SeqKV
 from confkv_engine.cache.prefix import CachedBlock, PrefixIndex

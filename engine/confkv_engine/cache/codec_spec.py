@@ -1,0 +1,142 @@
+"""The shape of one encoded KV block (``CodecSpec``): bits, groups, parameter format and exact bytes.
+
+The codec (``cache.codec``) encodes a block with the group-wise maths of ``cache.group_quant`` and
+lays it out as described here; a spec is plain data, validated once when it is built, so a bad
+bits / group / axis choice is a ``ValueError`` naming it before any tensor is touched.
+
+**Bytes.** ``cache.codec`` lays a block out as ``codes | pad to even | parameters`` in one flat
+uint8 tensor (fits in pool memory or a file): fp16 ``scales | mins``, or dq6 ``headers (fp16) |
+6-bit codes`` (four per 3 bytes, one run per row); int4 and int2 codes are packed 2 and 4 per
+byte, little end first. For SmolLM2-135M (L=30, bs=16, Hkv=3, D=64; a bf16 block is 184,320
+bytes, an fp32 block 368,640, position metadata excluded), parameters included:
+
+==========================  ========  ========  ========
+block                         int8      int4      int2
+==========================  ========  ========  ========
+K, group 16 (tokens), dq6    0.550x    0.300x    0.175x   of bf16 (half these of fp32)
+K, group 16, fp16            0.625x    0.375x    0.250x   of bf16
+V, group 64 (head), fp16     0.531x    0.281x    0.156x   of bf16
+V, group 32 (head), fp16     0.563x    0.313x    0.188x   of bf16
+==========================  ========  ========  ========
+
+(K dq6 exactly: 0.5498 / 0.2998 / 0.1748.) So keys (dq6) and values (group 64) both meet int8 <=
+0.55x and int4 <= 0.3x of a bf16 block; keys with fp16 parameters cannot: 4 bytes of scale and min
+per 16-token channel group is 0.25 bytes per element on top of the codes. Against an fp32 block
+they do (0.31x / 0.19x), so ``arena.block_codecs`` keeps fp16 key parameters in an fp32 pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+SUPPORTED_BITS = (2, 4, 8)
+PARAM_FORMATS = ("fp16", "dq6")
+DQ_CODES = 63  # 6-bit codes of a dq6 group's min and scale
+DQ_SCALE_STEP = 1 / 8  # octaves between two dq6 scale codes
+DQ_HEADER = 3  # fp16 (top, floor, step) per row of groups
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """How one block of ``shape`` is encoded: ``bits`` per code, groups of ``group`` along ``axis``,
+    group parameters stored as ``params`` ("fp16" or "dq6", see the module docstring)."""
+
+    shape: tuple[int, ...]
+    bits: int
+    axis: int
+    group: int
+    params: str = "fp16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if self.params not in PARAM_FORMATS:
+            raise ValueError(f"params must be one of {PARAM_FORMATS}, got {self.params!r}")
+        if not self.shape or any(s <= 0 for s in self.shape):
+            raise ValueError(f"block shape must be non-empty and positive, got {self.shape}")
+        if not -len(self.shape) <= self.axis < len(self.shape):
+            raise ValueError(f"axis {self.axis} is out of range for a block of shape {self.shape}")
+        object.__setattr__(self, "axis", self.axis % len(self.shape))
+        length = self.shape[self.axis]
+        if self.group <= 0 or length % self.group:
+            raise ValueError(f"group {self.group} must divide the axis length {length} (axis {self.axis})")
+        if self.params == "dq6" and len(self.shape) < 2:
+            raise ValueError("dq6 parameters need a block of at least 2 axes (rows of groups)")
+        if self.group % self.per_byte:
+            raise ValueError(f"int{self.bits} packs {self.per_byte} codes per byte: group {self.group} "
+                             f"must be a multiple of {self.per_byte}")
+
+    @property
+    def per_byte(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    @property
+    def groups_shape(self) -> tuple[int, ...]:
+        """Shape of scales and mins: the block's other axes in order, then the groups of ``axis``."""
+        others = tuple(s for i, s in enumerate(self.shape) if i != self.axis)
+        return (*others, self.shape[self.axis] // self.group)
+
+    @property
+    def packed_shape(self) -> tuple[int, ...]:
+        """Shape of the packed codes: ``groups_shape`` then ``group / per_byte`` bytes."""
+        return (*self.groups_shape, self.group // self.per_byte)
+
+    @property
+    def num_groups(self) -> int:
+        return prod(self.groups_shape)
+
+    @property
+    def rows_shape(self) -> tuple[int, ...]:
+        """dq6: one header per row; a row is the last two axes of ``groups_shape``."""
+        return self.groups_shape[:-2]
+
+    @property
+    def row_groups(self) -> int:
+        return prod(self.groups_shape[-2:])
+
+    @property
+    def row_code_nbytes(self) -> int:
+        """dq6: bytes of one row's 6-bit codes (two per group, four per 3 bytes)."""
+        return 3 * -(-2 * self.row_groups // 4)
+
+    @property
+    def codes_nbytes(self) -> int:
+        return prod(self.packed_shape)
+
+    @property
+    def params_nbytes(self) -> int:
+        if self.params == "fp16":
+            return 4 * self.num_groups
+        return prod(self.rows_shape) * (2 * DQ_HEADER + self.row_code_nbytes)
+
+    @property
+    def params_offset(self) -> int:
+        """Where the group parameters start: after the codes, at an even offset (fp16 alignment)."""
+        return self.codes_nbytes + (self.codes_nbytes & 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact size of ``to_bytes``: codes, padding to an even offset, group parameters."""
+        return self.params_offset + self.params_nbytes
+
+
+def key_spec(shape: tuple[int, ...], bits: int, group: int | None = None, params: str = "dq6") -> CodecSpec:
+    """Keys of a ``[L, block_size, Hkv, D]`` block: per channel, grouped along tokens (default all)."""
+    return CodecSpec(tuple(shape), bits, axis=1, group=group or shape[1], params=params)
+
+
+def value_spec(shape: tuple[int, ...], bits: int, group: int | None = None) -> CodecSpec:
+    """Values of a ``[L, block_size, Hkv, D]`` block: per token, grouped along head_dim (default D)."""
+    return CodecSpec(tuple(shape), bits, axis=-1, group=group or shape[-1])
+
+
+def encoded_nbytes(shape: tuple[int, ...], bits: int, axis: int, group: int, params: str = "fp16") -> int:
+    """Bytes of one encoded block, group parameters included (``CodecSpec(...).nbytes``)."""
+    return CodecSpec(tuple(shape), bits, axis, group, params).nbytes
+
