@@ -14,7 +14,7 @@ from confkv_engine.model.gguf_loader import dequantize
 from confkv_engine.model.gguf_reader import read_gguf
 from confkv_engine.model.loader import load_model
 from confkv_engine.model.qlinear import QuantLinear, build_quant_linear
-from confkv_engine.model.quant import quantize_int4, quantize_int8, unpack_q4
+from confkv_engine.model.quant import int8_keeps_dense, quantize_int4, quantize_int8, unpack_q4
 from confkv_engine.model.weights import ModelLoadError
 from tests.engine.gguf_fixtures import write_gguf, write_raw_tensor
 from tests.engine.tiny_models import dense_logits, make_tiny_hf_model
@@ -130,6 +130,35 @@ def test_dense_source_quantizes_on_request(tmp_path):
     assert load_model(str(hf_dir), weights="auto").weights == "fp32"
     int8 = load_model(str(hf_dir), weights="int8")
     assert {m.kind for m in int8.model.modules() if isinstance(m, QuantLinear)} == {"int8"}
+    attn = int8.model.layers[0].self_attn
+    assert type(attn.q_proj) is type(attn.v_proj) is torch.nn.Linear  # INT8_DENSE_LINEARS
+    assert isinstance(attn.k_proj, QuantLinear)
+
+
+def test_int8_mode_keeps_query_and_value_projections_dense(q4_1_llama):
+    """``--weights int8`` on a Q4_1 file: q/v stay dense in the activation dtype (so q/k/v are not
+    fused), every other linear is per-row int8; int4 mode still quantizes q/v. Decode logits stay
+    close to the dequantized model."""
+    dense = load_model(str(q4_1_llama), torch.float32)
+    int8 = load_model(str(q4_1_llama), weights="int8")
+    int4 = load_model(str(q4_1_llama), weights="int4")
+    for layer in int8.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.qkv_proj is None and attn.q_proj.weight.dtype == int8.dtype
+        assert type(attn.q_proj) is type(attn.v_proj) is torch.nn.Linear
+        assert all(isinstance(m, QuantLinear) and m.kind == "int8"
+                   for m in (attn.k_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    assert all(layer.self_attn.qkv_proj is not None for layer in int4.model.layers)
+    tokens = PROMPT + [5, 77, 300, 12, 9, 41]
+    ref = dense_logits(dense.model, tokens, len(PROMPT))
+    assert _max_diff(dense_logits(int8.model, tokens, len(PROMPT)), ref) <= 0.05 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize(("path", "kept"), [("layers.3.self_attn.q_proj", True), ("v_proj", True),
+                                            ("layers.3.self_attn.k_proj", False), ("lm_head", False),
+                                            ("layers.0.mlp.down_proj", False)])
+def test_int8_dense_linears_match_on_the_last_path_part(path, kept):
+    assert int8_keeps_dense(path) is kept
 
 
 def test_bad_weights_modes_are_rejected(q4_1_llama):

@@ -20,7 +20,14 @@ from torch import Tensor
 
 from confkv_engine.model.gguf_reader import GGUFContents, GGUFTensor, read_gguf
 from confkv_engine.model.llama import ModelArgs, rope_inv_freq
-from confkv_engine.model.quant import INT4_TYPES, Int4Weight, Int8Weight, quantize_int8, unpack_q4
+from confkv_engine.model.quant import (
+    INT4_TYPES,
+    Int4Weight,
+    Int8Weight,
+    int8_keeps_dense,
+    quantize_int8,
+    unpack_q4,
+)
 from confkv_engine.model.weights import ModelLoadError
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -221,11 +228,12 @@ def has_quantized_linears(model: GGUFModel) -> bool:
 def quantized_linears(model: GGUFModel, prefer_int4: bool) -> dict[str, QuantWeight]:
     """Linear weights stored quantized in the file, converted without an fp32 model copy: Q4_0 /
     Q4_1 -> exact int4 groups when ``prefer_int4``; every other quantized type (and the 4-bit ones
-    when not) -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are left out."""
+    when not) -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are left out, and
+    so are the ``quant.INT8_DENSE_LINEARS`` when not ``prefer_int4`` (the ``int8`` mode)."""
     out: dict[str, QuantWeight] = {}
     permuted = model.architecture == "llama"
     for path, tensor in _linear_sources(model):
-        if tensor.type_name in ("F32", "F16", "BF16"):
+        if tensor.type_name in ("F32", "F16", "BF16") or (not prefer_int4 and int8_keeps_dense(path)):
             continue
         order = _row_order(path, tensor.shape[0], model.args, permuted)
         weight: QuantWeight

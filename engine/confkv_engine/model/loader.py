@@ -10,7 +10,9 @@ for the dense modes):
 - ``int4``: 4-bit GGUF tensors (Q4_0 / Q4_1) stay 4-bit, served by the int4 weight-only kernel
   (exact conversion); other quantized tensors become per-row int8; a dense source is quantized to
   int4 groups of 32;
-- ``int8``: every quantized (or, for a dense source, every) linear weight as per-row int8;
+- ``int8``: every quantized (or, for a dense source, every) linear weight as per-row int8, except
+  the query and value projections, which stay dense in the activation dtype (``quant`` explains
+  why: they carry most of the perplexity cost of the int8 rounding);
 - ``auto``: on CPU and a quantized GGUF, as ``int4``; otherwise dense in ``dtype``.
 
 The quantized modes are CPU-only; their activations and KV cache are bf16 where the CPU computes
@@ -30,7 +32,7 @@ import torch
 
 from confkv_engine.model import gguf_loader, hf_loader, kernels, qlinear
 from confkv_engine.model.llama import LlamaForCausalLM, ModelArgs
-from confkv_engine.model.quant import quantize_int4, quantize_int8
+from confkv_engine.model.quant import int8_keeps_dense, quantize_int4, quantize_int8
 from confkv_engine.model.tokenizer import Tokenizer
 from confkv_engine.model.weights import ModelLoadError, build_model, check_dtype
 
@@ -190,7 +192,8 @@ def _load_hf(path: Path, dtype: torch.dtype, device: str, mode: str) -> LoadedMo
         model = build_model(args, hf_loader.iter_tensors(path), dtype, device)
         quantize = {"int4": quantize_int4, "int8": quantize_int8}.get(mode)
         dense = {} if quantize is None else {
-            name: quantize(m.weight) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            name: quantize(m.weight) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not (mode == "int8" and int8_keeps_dense(name))}
         table = _quantize(model, dense, dtype)
     loaded = _finish(model, tokenizer, args, path.resolve().name, dtype, device)
     loaded.weights, loaded.kernel_table = mode, table
