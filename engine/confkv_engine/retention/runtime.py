@@ -217,6 +217,23 @@ class RetentionState:
             return None
         return round(self.target_bytes(length, under_pressure=True) / self.acct.full_bytes(length), 4)
 
+    def _budgeted(self, under_pressure: bool) -> bool:
+        cfg = self.cfg
+        budgeted = cfg.budget is not None or cfg.budget_tokens is not None
+        return budgeted and (cfg.budget_mode == "always" or under_pressure)
+
+    def chunk_bytes(self) -> int:
+        """Most bytes one interval appends: its K and V blocks (a partly filled tail block absorbs the
+        rest) and its slots' metadata."""
+        return self.acct.held_bytes(self.interval, self.interval) - self.acct.fixed_bytes
+
+    def _room_for_next_chunk(self, target: int, length: int) -> int:
+        """A decision leaves room for the interval appended before the next one, so the sequence
+        never holds more than its budget (down to the floor of sinks + minimal window): the peak
+        bytes a request reports and admission reserves are the budget itself, not budget + a chunk."""
+        protected = min(length, self.cfg.tiers.sinks + self.cfg.tiers.window)
+        return max(target - self.chunk_bytes(), self.acct.held_bytes(protected, protected))
+
     def _schedules(self, under_pressure: bool) -> bool:
         """Whether the budget schedule sets this decision's target (it needs a budget that applies)."""
         cfg = self.cfg
@@ -247,6 +264,8 @@ class RetentionState:
         scheduled = self._schedules(under_pressure)
         reference = self._fixed_would_hold(fixed, length) if scheduled else fixed
         target = self._scheduled_target(fixed, reference, length) if scheduled else fixed
+        if self._budgeted(under_pressure):
+            target = self._room_for_next_chunk(target, length)
         new = policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
         limit = policies.window_limit(length, self.prev_decision, self.prev_window)
         self.prev_decision = length
