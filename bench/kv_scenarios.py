@@ -3,7 +3,7 @@
 - ``long``: the guide's scenario scaled to the embedded model: a short pydoc prompt, then
   ``--gen`` generated tokens (``ignore_eos``, greedy); peak KV bytes of the full cache vs conf-kv and
   conf-kv+tiers at f = 0.25, read from the pool, and their ratios.
-- ``concurrency``: a pool that holds exactly 4 full-cache requests of ``--seq-len`` tokens
+- ``concurrency``: a pool that holds exactly 4 full-cache requests of ``--seq-len`` tokens (+ the null block)
   (``--seq-len - 64`` prompt + 64 generated); ``--requests`` such requests submitted at once per
   policy at f = 0.25 (conf-kv+tiers included): the most running in one step, and the preemptions
   (the full cache gets 4 requests: 5 cannot all be held, so 4 is its zero-preemption maximum by
@@ -115,7 +115,9 @@ def scenario_long(loaded, tokens, args, size, prev: dict) -> dict:
 def scenario_concurrency(loaded, tokens, args, size, prev: dict) -> dict:
     seq_len, plen = size["seq_len"], size["seq_len"] - GEN_TAIL
     probe = make_engine(loaded, make_config("full", None, args))
-    blocks = 4 * probe.cache.blocks_for_tokens(seq_len)  # exactly 4 full-cache requests
+    # Exactly 4 full-cache requests: their blocks plus the null block every pool reserves (without
+    # it the pool held 4 x 2,048 tokens only because the last sampled token is never cached).
+    blocks = 4 * probe.cache.blocks_for_tokens(seq_len) + 1
     out: dict = {"pool_blocks": blocks}
     print(f"concurrency: pool {blocks} blocks = 4 x {seq_len} tokens full; f={F}")
     print(f"{'policy':<14}{'submitted':>10}{'max running':>12}{'preemptions':>12}{'vs full':>9}")
