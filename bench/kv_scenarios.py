@@ -168,7 +168,7 @@ def scenario_overhead(loaded, tokens, args, size, prev: dict) -> dict:
         key = f"{stat}_step_s"
         print(f"overhead: batch {size['batch']}, {size['seq_len']} cached tokens, f={F}; {stat} decode step: "
               + ", ".join(f"{n} {row[key] * 1e3:.1f} ms" for n, row in out.items()))
-        for name in (n for n in out if n.startswith("conf-kv")):
+        for name in [n for n in out if n.startswith("conf-kv")]:
             tag = name.replace("-", "_").replace("+", "_")
             out[f"{tag}_vs_streaming_{stat}"] = out[name][key] / out["streaming"][key]
             out[f"{tag}_vs_full_{stat}"] = out[name][key] / out["full"][key]
