@@ -1,7 +1,8 @@
 """A server started with defaults plus ``--kv-budget 0.25`` (a new user's first try) holds the
 budget over HTTP: the ``usage`` of a long prompt shows peak_kv_bytes within 0.25 of the full cache's
-(a decision leaves room for the next chunk), ``effective_kv_budget`` says what the budget came to, and a short prompt
-whose budget is below the floor (sinks + the minimal window) reports the raised budget."""
+(a decision leaves room for the next chunk), ``effective_kv_budget`` says what the budget came to,
+and a short prompt whose budget is below the floor (sinks + the minimal window) reports the raised
+budget."""
 
 from __future__ import annotations
 

@@ -217,6 +217,12 @@ class RetentionState:
             return None
         return round(self.target_bytes(length, under_pressure=True) / self.acct.full_bytes(length), 4)
 
+    def decision_target(self, length: int, under_pressure: bool) -> int:
+        """What a decision at ``length`` fits the sequence into (before a budget schedule moves it):
+        the budget less the room for the next interval, where a budget applies."""
+        target = self.target_bytes(length, under_pressure)
+        return self._room_for_next_chunk(target, length) if self._budgeted(under_pressure) else target
+
     def _budgeted(self, under_pressure: bool) -> bool:
         cfg = self.cfg
         budgeted = cfg.budget is not None or cfg.budget_tokens is not None
@@ -260,12 +266,10 @@ class RetentionState:
         """New tiers at a decision point, or None when nothing changes."""
         if self.cfg.policy == "full" or not is_decision_point(length, self.interval):
             return None
-        fixed = self.target_bytes(length, under_pressure)
+        fixed = self.decision_target(length, under_pressure)
         scheduled = self._schedules(under_pressure)
         reference = self._fixed_would_hold(fixed, length) if scheduled else fixed
         target = self._scheduled_target(fixed, reference, length) if scheduled else fixed
-        if self._budgeted(under_pressure):
-            target = self._room_for_next_chunk(target, length)
         new = policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
         limit = policies.window_limit(length, self.prev_decision, self.prev_window)
         self.prev_decision = length
