@@ -164,11 +164,12 @@ def scenario_overhead(loaded, tokens, args, size, prev: dict) -> dict:
         times = decode_step_times(loaded, tokens, args, size, name, blocks)
         out[name] = {"median_step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
                      "steps": len(times)}
+    rows = dict(out)  # the variants' rows; the ratios below are added to ``out`` beside them
     for stat in ("mean", "median"):
         key = f"{stat}_step_s"
         print(f"overhead: batch {size['batch']}, {size['seq_len']} cached tokens, f={F}; {stat} decode step: "
-              + ", ".join(f"{n} {row[key] * 1e3:.1f} ms" for n, row in out.items()))
-        for name in [n for n in out if n.startswith("conf-kv")]:
+              + ", ".join(f"{n} {row[key] * 1e3:.1f} ms" for n, row in rows.items()))
+        for name in [n for n in rows if n.startswith("conf-kv")]:
             tag = name.replace("-", "_").replace("+", "_")
             out[f"{tag}_vs_streaming_{stat}"] = out[name][key] / out["streaming"][key]
             out[f"{tag}_vs_full_{stat}"] = out[name][key] / out["full"][key]
