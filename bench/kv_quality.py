@@ -93,10 +93,11 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
                               decay=decay, scale=args.scale,
                               pool=args.pool if policy.startswith("conf-kv") else 1)
     tiers = TierConfig(high=args.high, medium=args.medium, sinks=SERVED.sinks, window=args.window,
-                       window_fraction=args.tier_window_fraction if precisions else args.window_fraction,
-                       key_share=args.key_share,
+                       window_fraction=args.window_fraction,
+                       precision_window_fraction=args.tier_window_fraction, key_share=args.key_share,
                        granularity=args.granularity if policy.startswith("conf-kv") else "head",
-                       precisions=precisions, key_only=not precisions, precision_loss=args.tier_loss)
+                       precisions=precisions, key_only=not precisions, precision_loss=args.tier_loss,
+                       last_tier_below=args.tier_last_below)
     if f is not None and args.budget_basis == "peak":  # f x the window's full cache, at every length
         size = 1024 if args.quick else 2048
         return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget_tokens=round(f * size))
@@ -296,8 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="length: f x the full cache at the current length (the served kv_budget); peak: "
                          "f x the full cache of the whole window at every length (kv_budget_tokens), "
                          "the basis of the kivi peers' measured bytes")
-    ap.add_argument("--tier-window-fraction", type=float, default=TierConfig.window_fraction,
+    ap.add_argument("--tier-window-fraction", type=float, default=TierConfig.precision_window_fraction,
                     help="recent-window share of the budget for the conf-kv+tiers rows")
+    ap.add_argument("--tier-last-below", type=float, default=TierConfig.last_tier_below,
+                    help="conf-kv+tiers: confidence below which a token leaving the window goes to the "
+                         "last precision tier (0: only the budget walk demotes below the first)")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/kv_quality[_quick|_tune].json)")
     ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",

@@ -1,20 +1,24 @@
 """Sub-benchmarks of ``bench/kv_quality.py``, one per ``--scenario``:
 
 - ``long``: the guide's scenario scaled to the embedded model: a short pydoc prompt, then
-  ``--gen`` generated tokens (``ignore_eos``, greedy); peak KV bytes of the full cache vs conf-kv at
-  f = 0.25, read from the pool, and their ratio.
-- ``concurrency``: a pool that holds exactly 4 full-cache requests of ``--seq-len`` tokens
+  ``--gen`` generated tokens (``ignore_eos``, greedy); peak KV bytes of the full cache vs conf-kv and
+  conf-kv+tiers at f = 0.25, read from the pool, and their ratios.
+- ``concurrency``: a pool that holds exactly 4 full-cache requests of ``--seq-len`` tokens (+ the null block)
   (``--seq-len - 64`` prompt + 64 generated); ``--requests`` such requests submitted at once per
-  policy at f = 0.25: the most running in one step, and the preemptions (the full cache gets 4
-  requests: 5 cannot all be held, so 4 is its zero-preemption maximum by construction).
+  policy at f = 0.25 (conf-kv+tiers included): the most running in one step, and the preemptions
+  (the full cache gets 4 requests: 5 cannot all be held, so 4 is its zero-preemption maximum by
+  construction).
 - ``overhead``: 8 sequences with ``--seq-len`` cached tokens decoding together; the median engine
-  step time over the decode steps for full (its fastest attention path: no scoring), streaming and
-  conf-kv at f = 0.25; ratios conf-kv / streaming and conf-kv / full, on the mean (amortised: the
+  step time over the decode steps for full (its fastest attention path: no scoring), streaming,
+  conf-kv and conf-kv+tiers at f = 0.25; ratios to streaming and to full, on the mean (amortised: the
   steps span whole decision intervals, so it includes scoring and compaction) and on the median
   (a plain decode step).
 
-Results are merged into ``bench/results/kv_quality.json`` under ``scenarios`` (the perplexity
-table is kept). All on CPU fp32, prefill chunks of 32, block 16.
+``conf-kv+tiers`` is conf-kv with the precision chain ``--tiers`` (default int4,int2: the served
+``confkv.tiers: [full, int4, int2]``) and the served tier defaults. ``--variants`` runs a subset (the
+full cache always runs: the ratios are to it). Results are merged into
+``bench/results/kv_quality.json`` under ``scenarios`` (the perplexity table is kept; a subset run
+updates its variants only). All on CPU fp32, prefill chunks of 32, block 16, served ``kv_budget``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from kv_quality import CHUNK, RESULTS, load_results, make_config, pydoc_tokens
 
 F = 0.25
+DEFAULT_TIERS = "int4,int2"  # conf-kv+tiers: confkv.tiers [full, int4, int2]
 GEN_TAIL = 64  # generated tokens per concurrency request
 SIZES = {  # scenario -> (full size, quick size)
     "long": ({"gen": 4000}, {"gen": 1000}),
@@ -58,33 +63,66 @@ def greedy(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def scenario_long(loaded, tokens, args, size) -> dict:
+def tiers_of(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(t for t in (args.tiers or DEFAULT_TIERS).split(",") if t)
+
+
+def variant_config(name: str, args: argparse.Namespace):
+    """The retention config of a scenario variant: the full cache, a peer or conf-kv at f = F."""
+    if name == "full":
+        return make_config("full", None, args)
+    if name == "conf-kv+tiers":
+        return make_config("conf-kv", F, args, precisions=tiers_of(args))
+    return make_config(name, F, args)
+
+
+def selected(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """``--policies`` within ``names`` (all by default), ``full`` first."""
+    wanted = set(args.policies.split(",")) if args.policies else set(names)
+    unknown = wanted - set(names)
+    if unknown:
+        raise SystemExit(f"unknown scenario variant(s) {sorted(unknown)}; choose from {', '.join(names)}")
+    return [n for n in names if n in wanted]
+
+
+def reference_full(out: dict, prev: dict) -> dict:
+    """The full cache's row: measured in this run or stored by an earlier piece of it."""
+    full = out.get("full") or prev.get("full")
+    if full is None:
+        raise SystemExit("no full-cache row yet: include 'full' in --policies")
+    return full
+
+
+def scenario_long(loaded, tokens, args, size, prev: dict) -> dict:
     prompt = tokens[:64]
-    out = {}
-    for name, f in (("full", None), ("conf-kv", F)):
-        eng = make_engine(loaded, make_config(name, f, args))
+    out: dict = {}
+    for name in selected(args, ("full", "conf-kv", "conf-kv+tiers")):
+        eng = make_engine(loaded, variant_config(name, args))
         t0 = time.time()
         res = eng.generate([prompt], greedy(size["gen"]))[0]
-        out[name] = {"peak_kv_bytes": res.kv_usage.peak_kv_bytes, "generated": len(res.output_token_ids),
-                     "tokens_discarded": res.kv_usage.tokens_discarded, "seconds": round(time.time() - t0, 1)}
-    out["ratio_conf_kv_to_full"] = out["conf-kv"]["peak_kv_bytes"] / out["full"]["peak_kv_bytes"]
-    full_mib = out["full"]["peak_kv_bytes"] / 2**20
-    print(f"long: {size['gen']} generated tokens, peak KV full {full_mib:.1f} MiB, "
-          f"conf-kv f={F} {out['conf-kv']['peak_kv_bytes'] / 2**20:.1f} MiB, "
-          f"ratio {out['ratio_conf_kv_to_full']:.3f}")
+        u = res.kv_usage
+        out[name] = {"peak_kv_bytes": u.peak_kv_bytes, "generated": len(res.output_token_ids),
+                     "tokens_discarded": u.tokens_discarded, "tokens_int4": u.tokens_int4,
+                     "tokens_int2": u.tokens_int2, "seconds": round(time.time() - t0, 1)}
+    full = reference_full(out, prev)
+    for name, row in out.items():
+        row["vs_full"] = row["peak_kv_bytes"] / full["peak_kv_bytes"]
+        print(f"long: {size['gen']} generated tokens, {name} f={F}: peak KV "
+              f"{row['peak_kv_bytes'] / 2**20:.1f} MiB, {row['vs_full']:.3f} of full")
     return out
 
 
-def scenario_concurrency(loaded, tokens, args, size) -> dict:
+def scenario_concurrency(loaded, tokens, args, size, prev: dict) -> dict:
     seq_len, plen = size["seq_len"], size["seq_len"] - GEN_TAIL
     probe = make_engine(loaded, make_config("full", None, args))
-    blocks = 4 * probe.cache.blocks_for_tokens(seq_len)  # exactly 4 full-cache requests
-    out = {"pool_blocks": blocks}
+    # Exactly 4 full-cache requests: their blocks plus the null block every pool reserves (without
+    # it the pool held 4 x 2,048 tokens only because the last sampled token is never cached).
+    blocks = 4 * probe.cache.blocks_for_tokens(seq_len) + 1
+    out: dict = {"pool_blocks": blocks}
     print(f"concurrency: pool {blocks} blocks = 4 x {seq_len} tokens full; f={F}")
-    print(f"{'policy':<12}{'submitted':>10}{'max running':>12}{'preemptions':>12}{'vs full':>9}")
-    for name in ("full", "streaming", "h2o", "conf-kv"):
-        f = None if name == "full" else F
-        eng = make_engine(loaded, make_config(name, f, args), blocks=blocks, batched=16 * CHUNK)
+    print(f"{'policy':<14}{'submitted':>10}{'max running':>12}{'preemptions':>12}{'vs full':>9}")
+    for name in selected(args, ("full", "streaming", "h2o", "conf-kv", "conf-kv+tiers")):
+        eng = make_engine(loaded, variant_config(name, args), blocks=blocks, batched=16 * CHUNK)
         n = 4 if name == "full" else size["requests"]
         for i in range(n):
             eng.add_request(f"c{i}", tokens[i * plen:(i + 1) * plen], greedy(GEN_TAIL))
@@ -94,39 +132,49 @@ def scenario_concurrency(loaded, tokens, args, size) -> dict:
             most = max(most, len(eng.scheduler.running))
         out[name] = {"submitted": n, "max_running": most, "preemptions": eng.scheduler.num_preemptions,
                      "seconds": round(time.time() - t0, 1)}
-        out[name]["vs_full"] = most / out["full"]["max_running"]
-        print(f"{name:<12}{n:>10}{most:>12}{eng.scheduler.num_preemptions:>12}{out[name]['vs_full']:>9.2f}")
+        out[name]["vs_full"] = most / reference_full(out, prev)["max_running"]
+        print(f"{name:<14}{n:>10}{most:>12}{eng.scheduler.num_preemptions:>12}{out[name]['vs_full']:>9.2f}")
     return out
 
 
-def scenario_overhead(loaded, tokens, args, size) -> dict:
+def decode_step_times(loaded, tokens, args, size, name: str, blocks: int) -> list[float]:
+    """Engine step times while all ``batch`` sequences decode together."""
     seq_len, batch = size["seq_len"], size["batch"]
+    eng = make_engine(loaded, variant_config(name, args), blocks=blocks, batched=batch * CHUNK)
+    for i in range(batch):
+        eng.add_request(f"o{i}", tokens[i * seq_len:(i + 1) * seq_len], greedy(size["repeats"] + 2))
+    times = []
+    while eng.has_unfinished():
+        decoding = all(s.num_computed >= s.prompt_len for s in eng.scheduler.running)
+        full_batch = len(eng.scheduler.running) == batch and not eng.scheduler.waiting
+        t0 = time.perf_counter()
+        eng.step()
+        if decoding and full_batch:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def scenario_overhead(loaded, tokens, args, size, prev: dict) -> dict:
+    """Timings compare within one run only: full and streaming always run with the others."""
     out: dict = {}
     probe = make_engine(loaded, make_config("full", None, args))
-    blocks = batch * probe.cache.blocks_for_tokens(seq_len + size["repeats"] + 2) + 8  # all 8 full caches fit
-    for name in ("full", "streaming", "conf-kv"):
-        f = None if name == "full" else F
-        eng = make_engine(loaded, make_config(name, f, args), blocks=blocks, batched=batch * CHUNK)
-        for i in range(batch):
-            eng.add_request(f"o{i}", tokens[i * seq_len:(i + 1) * seq_len], greedy(size["repeats"] + 2))
-        times = []
-        while eng.has_unfinished():
-            decoding = all(s.num_computed >= s.prompt_len for s in eng.scheduler.running)
-            full_batch = len(eng.scheduler.running) == batch and not eng.scheduler.waiting
-            t0 = time.perf_counter()
-            eng.step()
-            if decoding and full_batch:
-                times.append(time.perf_counter() - t0)
+    blocks = size["batch"] * probe.cache.blocks_for_tokens(size["seq_len"] + size["repeats"] + 2) + 8
+    names = ("full", "streaming", "conf-kv", "conf-kv+tiers")
+    for name in sorted(set(selected(args, names)) | {"full", "streaming"}, key=names.index):
+        times = decode_step_times(loaded, tokens, args, size, name, blocks)
         out[name] = {"median_step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
                      "steps": len(times)}
+    rows = dict(out)  # the variants' rows; the ratios below are added to ``out`` beside them
     for stat in ("mean", "median"):
-        conf, key = out["conf-kv"][f"{stat}_step_s"], f"{stat}_step_s"
-        out[f"conf_kv_vs_streaming_{stat}"] = conf / out["streaming"][key]
-        out[f"conf_kv_vs_full_{stat}"] = conf / out["full"][key]
-        print(f"overhead: batch {batch}, {seq_len} cached tokens, f={F}; {stat} decode step: " + ", ".join(
-            f"{n} {out[n][key] * 1e3:.1f} ms" for n in ("full", "streaming", "conf-kv")))
-        print(f"  conf-kv / streaming {out[f'conf_kv_vs_streaming_{stat}']:.3f}, "
-              f"conf-kv / full {out[f'conf_kv_vs_full_{stat}']:.3f}")
+        key = f"{stat}_step_s"
+        print(f"overhead: batch {size['batch']}, {size['seq_len']} cached tokens, f={F}; {stat} decode step: "
+              + ", ".join(f"{n} {row[key] * 1e3:.1f} ms" for n, row in rows.items()))
+        for name in [n for n in rows if n.startswith("conf-kv")]:
+            tag = name.replace("-", "_").replace("+", "_")
+            out[f"{tag}_vs_streaming_{stat}"] = out[name][key] / out["streaming"][key]
+            out[f"{tag}_vs_full_{stat}"] = out[name][key] / out["full"][key]
+            print(f"  {name} / streaming {out[f'{tag}_vs_streaming_{stat}']:.3f}, "
+                  f"/ full {out[f'{tag}_vs_full_{stat}']:.3f}")
     return out
 
 
@@ -142,13 +190,19 @@ def run_scenario(args: argparse.Namespace) -> int:
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
     loaded.model.eval()
     tokens = pydoc_tokens(loaded.tokenizer)
+    if args.budget_basis != "length":
+        raise SystemExit("the scenarios run the served kv_budget (--budget-basis length)")
     size = SIZES[args.scenario][1 if args.quick else 0]
-    result = SCENARIOS[args.scenario](loaded, tokens, args, size)
-    result.update({"size": size, "quick": args.quick, "f": F, "chunk": CHUNK, "torch": torch.__version__})
     out = Path(args.out) if args.out else RESULTS / "kv_quality.json"
     data = load_results(out)  # merge: the perplexity table stays
     key = f"{args.scenario}{'_quick' if args.quick else ''}"
-    data.setdefault("scenarios", {})[key] = result
+    prev = data.setdefault("scenarios", {}).get(key, {})
+    if prev.get("size") != size:  # a stored row of another size is no reference
+        prev = {}
+    result = SCENARIOS[args.scenario](loaded, tokens, args, size, prev)
+    result.update({"size": size, "quick": args.quick, "f": F, "chunk": CHUNK, "tiers": tiers_of(args),
+                   "torch": torch.__version__})
+    data["scenarios"][key] = {**prev, **result}  # a piece (--policies) updates its own rows
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1, default=str))
     return 0

@@ -141,3 +141,20 @@ def test_requests_without_a_budget_never_take_blocks_promised_to_budgeted_ones(l
     assert final["conf"].num_preemptions == 0
     assert final["full"].num_preemptions >= 1
     assert all(len(o.output_token_ids) == GEN for o in final.values())
+
+
+def test_tiered_requests_run_within_their_reservations(loaded) -> None:
+    """Precision tiers under admission: frozen blocks live in shared arena hosts and count at their
+    bytes against the reservation, so two reservations (and part of a third) run two at a time."""
+    tiers = ("full", "int4", "int2")
+    probe = make_engine(loaded)
+    need = probe.retention.reserve_blocks(probe.retention.config_for("conf-kv", 0.5, tiers), PROMPT + GEN)
+    assert need is not None
+    eng = make_engine(loaded, blocks=2 * need + need // 2)
+    for i in range(3):
+        eng.add_request(f"r{i}", prompt(PROMPT, i),
+                        params(kv_policy="conf-kv", kv_budget=0.5, kv_tiers=tiers))
+    final, most = run(eng)
+    assert most == 2 and eng.scheduler.num_preemptions == 0
+    assert all(len(o.output_token_ids) == GEN for o in final.values())
+    assert all(o.kv_usage.tokens_int4 > 0 for o in final.values())

@@ -36,7 +36,9 @@ def walk_bytes(state) -> int:
 
 
 def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
-    eng = make_engine(loaded, retention=tiered(0.25))
+    # 0.5: at 0.25 of 300 tokens, after the room left for the next chunk, a unit cannot stage the 16
+    # tokens a frozen block needs and the walk keeps FULL tokens only (nothing would be frozen).
+    eng = make_engine(loaded, retention=tiered(0.5))
     eng.add_request("a", prompt(300), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     frozen_seen = 0
     while eng.has_unfinished():
@@ -47,7 +49,7 @@ def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
             assert held == walk_bytes(st), seq.num_computed
             floor = st.acct.held_bytes(4 + CHUNK, 4 + CHUNK)
             slack = st.acct.held_bytes(CHUNK, CHUNK)
-            assert held <= max(0.25 * st.acct.full_bytes(seq.num_computed), floor) + slack
+            assert held <= max(0.5 * st.acct.full_bytes(seq.num_computed), floor + slack)
             frozen_seen = max(frozen_seen, st.frozen)
             # Frozen blocks are compressed handles in both tables; the rest are pool blocks.
             nb = st.key_start // 16

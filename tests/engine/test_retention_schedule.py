@@ -28,7 +28,7 @@ def test_schedule_on_the_paged_cache_holds_the_average_and_the_reservation() -> 
     assert sched_run.held_bytes != fixed_run.held_bytes  # the schedule acted
     # Summed over its decisions the scheduled run holds the fixed budget's targets within the slack.
     state = manager.new_state(cfg)
-    targets = [state.target_bytes(n, False) for n in sched_run.lengths]
+    targets = [state.decision_target(n, False) for n in sched_run.lengths]
     slack, pair = sched_cfg.schedule.slack, 2 * manager.cache.spec.block_bytes
     assert abs(sum(sched_run.held_bytes) - sum(targets)) <= slack * targets[-1] + pair
     # The peak stays inside what admission reserves for the scheduled config.

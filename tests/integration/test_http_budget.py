@@ -1,7 +1,8 @@
 """A server started with defaults plus ``--kv-budget 0.25`` (a new user's first try) holds the
 budget over HTTP: the ``usage`` of a long prompt shows peak_kv_bytes within 0.25 of the full cache's
-plus one decision chunk, ``effective_kv_budget`` says what the budget came to, and a short prompt
-whose budget is below the floor (sinks + the minimal window) reports the raised budget."""
+(a decision leaves room for the next chunk), ``effective_kv_budget`` says what the budget came to,
+and a short prompt whose budget is below the floor (sinks + the minimal window) reports the raised
+budget."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def test_long_prompt_holds_the_budget(server: EngineServer) -> None:
     n = budgeted["prompt_tokens"]
     assert n > 1000 and full["kv_tokens_discarded"] == 0 and full["effective_kv_budget"] is None
     assert budgeted["kv_tokens_discarded"] > 0
-    # One 32-token chunk (plus a partial block) may sit on top of the budget before the policy acts.
-    assert budgeted["peak_kv_bytes"] <= (0.25 + 48 / n) * full["peak_kv_bytes"]
-    assert budgeted["kv_tokens_full"] + budgeted["kv_tokens_key_only"] <= 0.25 * n + 48
+    # The policy leaves room for the chunk appended before it acts again: no chunk on top.
+    assert budgeted["peak_kv_bytes"] <= 0.25 * full["peak_kv_bytes"]
+    assert budgeted["kv_tokens_full"] + budgeted["kv_tokens_key_only"] <= 0.25 * n
     assert budgeted["effective_kv_budget"] == pytest.approx(0.25, abs=0.01)
 
 

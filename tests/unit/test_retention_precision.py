@@ -19,7 +19,10 @@ from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig, chain_
 
 F, I4, I2, D = Tier.FULL, Tier.INT4, Tier.INT2, Tier.DISCARD
 KEPT = [F, I4, I2]
-CFG = TierConfig(sinks=1, window=2, key_only=False, precisions=("int4", "int2"))
+# The walk's arithmetic below is checked with int2 cheap enough to beat dropping (loss 0.3) and the
+# thresholds sending tokens under 0.7 straight to int2; the defaults are checked on their own.
+CFG = TierConfig(sinks=1, window=2, key_only=False, precisions=("int4", "int2"),
+                 precision_loss=(0.002, 0.02, 0.3), last_tier_below=0.7)
 # One token per block: a FULL pair costs 100 bytes, int4 30, int2 20 (no metadata).
 ACCT1 = KVAccounting(block_size=1, half_block_bytes=50, pair_bytes=((I4, 30), (I2, 20)))
 
@@ -29,6 +32,33 @@ def test_thresholds_map_onto_the_chain_and_never_discard() -> None:
     assert threshold_chain(conf, CFG).tolist() == [0, 0, 1, 1, 2, 2]  # FULL, FULL, int4, int4, int2, int2
     one = TierConfig(key_only=False, precisions=("int4",))
     assert threshold_chain(conf, one).tolist() == [0, 0, 1, 1, 1, 1]
+    # Default: nothing goes below the first precision tier by threshold, only by the budget walk.
+    default = TierConfig(key_only=False, precisions=("int4", "int2"))
+    assert threshold_chain(conf, default).tolist() == [0, 0, 1, 1, 1, 1]
+
+
+def test_default_losses_drop_a_token_before_putting_tokens_at_int2() -> None:
+    # With int2 at 0.8 of a drop, int4 -> int2 (0.78 for 10 bytes) costs more per byte than
+    # int2 -> DISCARD (0.2 for 20) and int4 -> DISCARD through int2 (0.98 for 30): under a tight budget
+    # the walk drops the least confident int4 tokens and keeps the rest at int4.
+    cfg = TierConfig(sinks=1, window=2, key_only=False, precisions=("int4", "int2"))
+    assert step_weights(cfg, ACCT1) == pytest.approx([0.02 / 70, 0.78 / 10, 0.2 / 20])
+    conf = [0.0, 0.95, 0.9, 0.8, 0.5, 0.0, 0.0]
+    out = decide_precision(torch.arange(7)[None], torch.full((1, 7), F, dtype=torch.int8),
+                           torch.tensor([conf]), 7, 0, cfg, ACCT1, 300 + 60, None, 0, 0)
+    assert out[0].tolist() == [F, I4, I4, D, D, F, F]  # CFG's losses: three at int2 ([F, I2, I2, I2, D])
+
+
+def test_precision_chain_has_its_own_window_fraction() -> None:
+    tiers = TierConfig(window=32, window_fraction=0.5, key_only=False, precisions=("int4",),
+                       precision_window_fraction=0.25)
+    assert tiers.effective_window(512, 16) == 128
+    assert TierConfig(window=32, window_fraction=0.5).effective_window(512, 16) == 256
+    assert TierConfig(window=32, key_only=False, precisions=("int4",)).effective_window(512, 16) == 32
+    with pytest.raises(ValueError, match="precision_window_fraction"):
+        TierConfig(precision_window_fraction=1.0)
+    with pytest.raises(ValueError, match="last_tier_below"):
+        TierConfig(last_tier_below=0.95)
 
 
 def test_step_weights_are_loss_per_byte_saved() -> None:

@@ -140,9 +140,11 @@ class RetentionManager:
     def reserve_blocks(self, cfg: RetentionConfig, max_len: int) -> int | None:
         """Pool blocks a sequence under ``cfg`` can ever hold up to ``max_len`` tokens, or None when
         its budget does not bind (no budget, or one no smaller than the full cache): admission
-        reserves the budget, not the full length. The budget at ``max_len`` (it only grows with the
-        length), in whole blocks, plus one prefill chunk (K and V) appended before the next decision
-        (the null block KEY_ONLY points at is the cache's, reserved at start)."""
+        reserves the budget, not the full length. A decision leaves room for the next interval
+        (``RetentionState._room_for_next_chunk``), so the sequence holds at most the budget at
+        ``max_len`` (it only grows with the length) or, where the floor binds, sinks + the minimal
+        window + one interval; in whole blocks (the null block KEY_ONLY points at is the cache's,
+        reserved at start; the retention metadata is counted in the bytes but is not pool memory)."""
         if cfg.policy == "full" or (cfg.budget is None and cfg.budget_tokens is None):
             return None
         acct = accounting(self.cache, cfg)
@@ -150,8 +152,9 @@ class RetentionManager:
         target = budget_target(acct, max_len, cfg.budget, cfg.budget_tokens, protected)
         if cfg.schedule is not None:  # a scheduled budget may rise above the fixed one
             target = int(target * cfg.schedule.peak_factor)
-        bs, bb = self.cache.spec.block_size, self.cache.spec.block_bytes
-        blocks = -(-target // bb) + 2 * self.interval // bs
+        chunk = acct.held_bytes(self.interval, self.interval) - acct.fixed_bytes
+        target = max(target, acct.held_bytes(protected, protected) + chunk)
+        blocks = -(-target // self.cache.spec.block_bytes)
         return blocks if blocks < self.cache.blocks_for_tokens(max_len) else None
 
     def reserved_headroom(self, seq: RetainedRequest) -> int | None:
@@ -161,7 +164,10 @@ class RetentionManager:
         reserved = self.reserve_blocks(seq.retention, seq.max_len)
         if reserved is None:
             return None
-        return max(0, reserved - self.cache.held_blocks(seq.kv))
+        # Pool blocks' worth of bytes: a frozen precision-tier block is a slot in a shared arena host
+        # block, not a pool block of its own (counting it as one would hide the request's headroom).
+        held = -(-self.cache.seq_bytes(seq.kv) // self.cache.spec.block_bytes)
+        return max(0, reserved - held)
 
     def chunk_alignment(self, seq: RetainedRequest) -> int:
         """Requests under a retention policy cut their prefill chunks at decision points (multiples

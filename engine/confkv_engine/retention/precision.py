@@ -8,9 +8,10 @@ Layout per unit (layer, KV head), all units with the same counts (the pool stays
 
     [shared prefix][frozen: whole blocks, one tier each][rewritable: FULL + staged, sinks, window]
 
-- *Thresholds* (0.9 / 0.7): a token leaving the recent window is tiered once: ``c >= high`` FULL,
-  ``[medium, high)`` the first precision tier, ``< medium`` the last one. Thresholds never discard:
-  with precision tiers only the budget drops tokens.
+- *Thresholds*: a token leaving the recent window is tiered once: ``c >= high`` (0.9) FULL, else the
+  first precision tier (below ``last_tier_below``, off by default, the last one). Thresholds never
+  discard and, by default, never go below the first precision tier: sending low-attention tokens to
+  int2 while the budget had room measured worse than leaving every lower step to the walk.
 - *Staging*: a token whose tier is a precision tier stays in the rewritable region, at full
   precision, until its unit holds a whole block of that tier; compaction then *freezes* the block
   (oldest tokens first) into the compressed store. So bytes are always exact whole blocks, of the
@@ -72,10 +73,11 @@ def step_weights(cfg: TierConfig, acct: KVAccounting) -> list[float]:
 
 
 def threshold_chain(conf: Tensor, cfg: TierConfig) -> Tensor:
-    """Chain index each confidence asks for: 0 (FULL) at >= high, 1 in [medium, high), last below."""
+    """Chain index each confidence asks for: 0 (FULL) at >= high, 1 in [last_tier_below, high), the
+    last precision tier below."""
     last = len(cfg.precisions)
     idx = torch.full_like(conf, last, dtype=torch.long)
-    idx[conf >= cfg.medium] = min(1, last)
+    idx[conf >= cfg.last_tier_below] = min(1, last)
     idx[conf >= cfg.high] = 0
     return idx
 

@@ -217,6 +217,29 @@ class RetentionState:
             return None
         return round(self.target_bytes(length, under_pressure=True) / self.acct.full_bytes(length), 4)
 
+    def decision_target(self, length: int, under_pressure: bool) -> int:
+        """What a decision at ``length`` fits the sequence into (before a budget schedule moves it):
+        the budget less the room for the next interval, where a budget applies."""
+        target = self.target_bytes(length, under_pressure)
+        return self._room_for_next_chunk(target, length) if self._budgeted(under_pressure) else target
+
+    def _budgeted(self, under_pressure: bool) -> bool:
+        cfg = self.cfg
+        budgeted = cfg.budget is not None or cfg.budget_tokens is not None
+        return budgeted and (cfg.budget_mode == "always" or under_pressure)
+
+    def chunk_bytes(self) -> int:
+        """Most bytes one interval appends: its K and V blocks (a partly filled tail block absorbs the
+        rest) and its slots' metadata."""
+        return self.acct.held_bytes(self.interval, self.interval) - self.acct.fixed_bytes
+
+    def _room_for_next_chunk(self, target: int, length: int) -> int:
+        """A decision leaves room for the interval appended before the next one, so the sequence
+        never holds more than its budget (down to the floor of sinks + minimal window): the peak
+        bytes a request reports and admission reserves are the budget itself, not budget + a chunk."""
+        protected = min(length, self.cfg.tiers.sinks + self.cfg.tiers.window)
+        return max(target - self.chunk_bytes(), self.acct.held_bytes(protected, protected))
+
     def _schedules(self, under_pressure: bool) -> bool:
         """Whether the budget schedule sets this decision's target (it needs a budget that applies)."""
         cfg = self.cfg
@@ -243,7 +266,7 @@ class RetentionState:
         """New tiers at a decision point, or None when nothing changes."""
         if self.cfg.policy == "full" or not is_decision_point(length, self.interval):
             return None
-        fixed = self.target_bytes(length, under_pressure)
+        fixed = self.decision_target(length, under_pressure)
         scheduled = self._schedules(under_pressure)
         reference = self._fixed_would_hold(fixed, length) if scheduled else fixed
         target = self._scheduled_target(fixed, reference, length) if scheduled else fixed

@@ -131,8 +131,17 @@ class TierConfig:
     # FULL / KEY_ONLY / DISCARD chain. See ``precision``.
     precisions: tuple[str, ...] = ()
     # Relative loss of a token at int8 / int4 / int2 (FULL 0, DISCARD 1): what the budget walk trades
-    # against bytes (``precision.step_weights``); tuned on tokens [6144, 12288).
-    precision_loss: tuple[float, float, float] = (0.002, 0.02, 0.3)
+    # against bytes (``precision.step_weights``); tuned on tokens [6144, 12288) against a bf16 cache:
+    # int2 at 0.3 made int2 cheaper per byte than dropping, so the walk put nearly every token at int2
+    # (+4.9% at f = 0.25 where 0.5-0.9 gave -0.05%; see docs/retention.md).
+    precision_loss: tuple[float, float, float] = (0.002, 0.02, 0.8)
+    # Precision chain only: a token leaving the window with confidence below this goes straight to the
+    # last precision tier; 0 (default): never, only the budget walk demotes past the first precision
+    # tier (thresholds sending low-attention tokens to int2 with room to spare cost +1.8% at f = 0.125).
+    last_tier_below: float = 0.0
+    # Precision chain only: the recent window's share of the tokens the budget holds (the FULL-only
+    # chain's ``window_fraction``); 0: the minimal window, every other token is the walk's to price.
+    precision_window_fraction: float = 0.0
     # Value group of the codec (keys: min(group, block_size)); the cache compression's groupSize.
     precision_group: int = 64
 
@@ -146,8 +155,11 @@ class TierConfig:
         if self.granularity not in GRANULARITIES:
             choices = ", ".join(GRANULARITIES)
             raise ValueError(f"granularity must be one of {choices}, got {self.granularity!r}")
-        if not 0.0 <= self.window_fraction < 1.0:
-            raise ValueError(f"window_fraction must be in [0, 1), got {self.window_fraction}")
+        for name in ("window_fraction", "precision_window_fraction"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.last_tier_below <= self.high:
+            raise ValueError(f"need 0 <= last_tier_below <= high, got {self.last_tier_below}")
         self._check_precisions()
 
     def _check_precisions(self) -> None:
@@ -170,7 +182,8 @@ class TierConfig:
 
     def effective_window(self, budget_tokens: int, block_size: int) -> int:
         """The always-FULL recent window: the configured one, or a block-aligned share of the budget."""
-        share = int(self.window_fraction * budget_tokens) // block_size * block_size
+        fraction = self.precision_window_fraction if self.precisions else self.window_fraction
+        share = int(fraction * budget_tokens) // block_size * block_size
         return max(self.window, share)
 
 
