@@ -48,6 +48,18 @@ def blocks_of(cache: KVCache, table: list[int]) -> torch.Tensor:
     return torch.stack([cache.gather(layer, plan) for layer in range(cache.spec.num_layers)])
 
 
+def cached_chain(cache: KVCache, n_blocks: int) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor]]:
+    """A finished request's ``n_blocks`` full blocks left in the prefix index (evictable): its tokens
+    and its (K, V) blocks as stored."""
+    a = SeqKV()
+    fill(cache, a, n_blocks * BS)
+    tokens = list(range(n_blocks * BS))
+    cache.register(a, tokens)
+    original = blocks_of(cache, a.k_blocks), blocks_of(cache, a.v_blocks)
+    cache.free(a)
+    return tokens, original
+
+
 def reference(cache: KVCache, blocks: torch.Tensor, bits: int, group: int = 64) -> tuple[torch.Tensor, ...]:
     """What the codec makes of uncompressed K and V blocks [L, nb, ...]: (keys, values) decoded."""
     kspec, vspec = block_codecs(BS, cache.spec.num_kv_heads, cache.spec.head_dim, bits, group,
@@ -150,12 +162,7 @@ class SpillRecorder:
 def test_prefix_hit_and_eviction_of_compressed_cached_entries() -> None:
     cache = make_cache(9, prefix=True)  # 8 usable blocks
     cache.sink = sink = SpillRecorder()
-    a = SeqKV()
-    fill(cache, a, 3 * BS)
-    tokens = list(range(3 * BS))
-    cache.register(a, tokens)
-    original = blocks_of(cache, a.k_blocks), blocks_of(cache, a.v_blocks)
-    cache.free(a)
+    tokens, original = cached_chain(cache, 3)
     assert cache.num_free == 8 and len(cache.eviction) == 3
     assert cache.compress_cold(8, 64, cold_after=3600.0, limit=10).blocks == 0  # not cold yet
     result = cache.compress_cold(4, 64, cold_after=0.0, limit=10)
@@ -284,12 +291,7 @@ def test_hosts_freed_by_a_preemption_come_back_zeroed_and_a_replay_attends_over_
 
 def test_a_hit_on_compressed_entries_decodes_them_back_into_pool_blocks_when_admission_has_room() -> None:
     cache = make_cache(9, prefix=True)  # 8 usable blocks
-    a = SeqKV()
-    fill(cache, a, 3 * BS)
-    tokens = list(range(3 * BS))
-    cache.register(a, tokens)
-    original = blocks_of(cache, a.k_blocks), blocks_of(cache, a.v_blocks)
-    cache.free(a)
+    tokens, original = cached_chain(cache, 3)
     assert cache.compress_cold(4, 64, cold_after=0.0, limit=10).blocks == 6
     ref_k, ref_v = reference(cache, torch.stack(original), 4)
     # A reader that shares the compressed entries with no room to spare reads them through the codec.
