@@ -63,9 +63,11 @@ def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_preempted_requests_replay_to_the_same_greedy_tokens(loaded, prefix_cache: bool) -> None:
     # Preemptions free every compressed block of the victims, so arenas empty and their hosts go back
-    # to the pool while others run: a replay then decodes over blocks that were hosts.
+    # to the pool while others run: a replay then decodes over blocks that were hosts. Prompts of
+    # 190-260 tokens: at 0.5, shorter ones leave no room for a frozen block once the budget keeps
+    # room for the next chunk, and nothing would be tiered.
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    prompts = [prompt(n, i) for i, n in enumerate([90, 130, 160, 110, 100, 140])]
+    prompts = [prompt(n, i) for i, n in enumerate([190, 230, 260, 210, 200, 240])]
     solo = [make_engine(loaded, retention=tiered(0.5)).generate([p], params)[0] for p in prompts]
     eng = make_engine(loaded, blocks=40, retention=tiered(0.5), prefixCache={"enabled": prefix_cache})
     eng.scheduler.admission = GreedyAdmission(eng.retention)  # no reservations: force preemptions
