@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from confkv_engine.cache.arena import MAX_RUNS, Arena, row_runs
 from confkv_engine.cache.bitpack import pack, pack6, unpack, unpack6
 from confkv_engine.cache.codec import EncodedBlock, decode, decode_rows, encode, encode_rows
 from confkv_engine.cache.codec_spec import CodecSpec, encoded_nbytes, key_spec, value_spec
@@ -239,6 +240,41 @@ def test_batched_decode_matches_per_block_decode(make: Callable[..., CodecSpec],
         got = decode_rows(rows, spec, torch.bfloat16, layer=layer)
         assert got.shape == (4, *SMALL_BLOCK[1:]) and got.is_contiguous()
         assert torch.equal(got, expected[:, layer])
+
+
+@pytest.mark.parametrize("spec", [key_spec(SMALL_BLOCK, 4), value_spec(SMALL_BLOCK, 2),
+                                  value_spec(SMALL_BLOCK, 4, group=16)])  # one group / several
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_in_place_by_runs_writes_exactly_the_runs_rows(spec: CodecSpec, dtype: torch.dtype) -> None:
+    blocks = torch.stack([kv_like(SMALL_BLOCK, seed=s) for s in range(5)])
+    rows = encode_rows(blocks, spec)
+    expected = decode_rows(rows, spec, dtype)
+    out = torch.full((9, *SMALL_BLOCK), 7.0, dtype=dtype)
+    runs = ((1, 0, 2), (6, 2, 3))  # decoded rows 0-1 at out rows 1-2, rows 2-4 at out rows 6-8
+    assert decode_rows(rows, spec, dtype, out=out, runs=runs) is out
+    assert torch.equal(out[1:3], expected[:2]) and torch.equal(out[6:9], expected[2:])
+    assert bool((out[[0, 3, 4, 5]] == 7.0).all())
+    whole = torch.empty_like(expected)
+    assert torch.equal(decode_rows(rows, spec, dtype, out=whole), expected)
+
+
+def test_gather_runs_are_consecutive_table_rows_and_too_many_fall_back_to_a_copy() -> None:
+    assert row_runs([3, 4, 5, 9, 10]) == ((3, 0, 3), (9, 3, 2))
+    assert row_runs(list(range(0, 2 * MAX_RUNS, 2))) == tuple((2 * i, i, 1) for i in range(MAX_RUNS))
+    assert row_runs(list(range(0, 2 * MAX_RUNS + 2, 2))) is None
+
+
+def test_slot_reads_match_the_byte_index_for_slots_inside_adjacent_and_apart_hosts() -> None:
+    spec = value_spec(SMALL_BLOCK, 4)
+    host_bytes = 3 * spec.nbytes // 2 + 1  # slots straddle hosts at different offsets
+    arena = Arena(spec, host_bytes)
+    hosts = iter([4, 5, 1, 7, 8])  # 4 -> 5 and 7 -> 8 are neighbours in the pool, 5 -> 1 and 1 -> 7 not
+    slots = [arena.take_slot(lambda: next(hosts)) for _ in range(5)]
+    stream = torch.randint(0, 256, (10 * host_bytes,), dtype=torch.uint8)
+    reads = arena.slot_reads(slots, torch.device("cpu"))
+    assert reads.apart is not None and 0 < reads.apart.numel() < len(slots)
+    expected = stream[arena.byte_index(torch.tensor(slots))].view(len(slots), spec.nbytes)
+    assert torch.equal(reads.read(stream, spec.nbytes), expected)
 
 
 def test_quantize_works_on_stacked_blocks_like_one_at_a_time() -> None:

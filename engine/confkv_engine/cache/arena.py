@@ -36,6 +36,7 @@ from torch import Tensor
 from confkv_engine.cache.block_pool import BlockPool
 from confkv_engine.cache.codec import decode_rows
 from confkv_engine.cache.codec_spec import CodecSpec
+from confkv_engine.cache.group_quant import Runs
 from confkv_engine.cache.layout import to_storage
 
 
@@ -110,6 +111,43 @@ class Arena:
         v = (slots[:, None] * self.slot_bytes + torch.arange(self.slot_bytes, device=slots.device)).view(-1)
         return self._hosts_t[v // self.host_bytes] * self.host_bytes + v % self.host_bytes
 
+    def slot_reads(self, slots: list[int], device: torch.device) -> SlotReads:
+        """Where ``slots`` lie in a layer's bytes: the start of each one that is contiguous there, and
+        byte indices for the few that straddle two hosts that are not neighbours in the pool."""
+        starts, apart = [], []
+        for i, slot in enumerate(slots):
+            v = slot * self.slot_bytes
+            first, last = v // self.host_bytes, (v + self.slot_bytes - 1) // self.host_bytes
+            if first == last or self.hosts[last] == self.hosts[first] + 1:
+                starts.append(self.hosts[first] * self.host_bytes + v % self.host_bytes)
+            else:
+                starts.append(0)  # read as a placeholder, then overwritten from ``index``
+                apart.append(i)
+        if not apart:
+            return SlotReads(_longs(starts, device))
+        index = self.byte_index(_longs([slots[i] for i in apart], device))
+        return SlotReads(_longs(starts, device), _longs(apart, device), index)
+
+
+@dataclass(frozen=True)
+class SlotReads:
+    """How to read N slots of one arena from a layer's bytes: ``starts`` [N] (the first byte of each
+    slot), and for the slots that straddle two non-adjacent hosts, their rows ``apart`` and their
+    byte indices ``index`` (``Arena.byte_index``)."""
+
+    starts: Tensor
+    apart: Tensor | None = None
+    index: Tensor | None = None
+
+    def read(self, stream: Tensor, slot_bytes: int) -> Tensor:
+        """The slots' bytes from a layer's stream [NB * host_bytes]: uint8 [N, slot_bytes]. A row per
+        slot through a sliding view, one copy of slot_bytes each, where a byte index per byte
+        measured 6x slower at the sizes a decode step gathers."""
+        raw = stream.unfold(0, slot_bytes, 1).index_select(0, self.starts)
+        if self.apart is not None and self.index is not None:
+            raw.index_copy_(0, self.apart, stream.index_select(0, self.index).view(-1, slot_bytes))
+        return raw
+
 
 @dataclass(frozen=True)
 class _Handle:
@@ -121,13 +159,31 @@ class _Handle:
     positions: Tensor | None = None
 
 
+MAX_RUNS = 64  # more runs of consecutive rows than this: decode into a buffer and index_copy
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """One arena's compressed rows of a table: their rows in it, where their slots lie in a layer's
+    stream and, when few, the runs of consecutive rows (each sequence's frozen blocks) as
+    ``(first row in the table, first decoded row, rows)``, which decode in place."""
+
+    spec: CodecSpec
+    rows: Tensor
+    reads: SlotReads
+    runs: Runs | None
+
+
 @dataclass(frozen=True)
 class GatherPlan:
-    """How to gather a table of blocks: pool ids (compressed entries read the null block), then each
-    arena's compressed rows decoded over them: (spec, rows in the table, byte indices)."""
+    """How to gather a table of blocks: ``table`` holds the pool ids (compressed entries read the
+    null block); with compressed entries, ``pool_rows`` / ``pool_ids`` name the pool entries alone
+    and each ``DecodeGroup`` decodes an arena's rows, so no row is read twice."""
 
     table: Tensor
-    groups: tuple[tuple[CodecSpec, Tensor, Tensor], ...]
+    groups: tuple[DecodeGroup, ...]
+    pool_rows: Tensor | None = None
+    pool_ids: Tensor | None = None
 
 
 class CompressedStore:
@@ -275,28 +331,31 @@ class CompressedStore:
                 rows.append(row)
                 slots.append(h.slot)
         groups = tuple(
-            (spec, torch.tensor(rows, dtype=torch.long, device=device),
-             self.arenas[spec].byte_index(torch.tensor(slots, dtype=torch.long, device=device)))
+            DecodeGroup(spec, _longs(rows, device), self.arenas[spec].slot_reads(slots, device),
+                        row_runs(rows))
             for spec, (rows, slots) in by_arena.items())
-        pool_ids = [b if b >= 0 else null_block for b in table]
-        return GatherPlan(torch.tensor(pool_ids, dtype=torch.long, device=device), groups)
+        pool_rows = [row for row, b in enumerate(table) if b >= 0]
+        return GatherPlan(_longs([b if b >= 0 else null_block for b in table], device), groups,
+                          _longs(pool_rows, device), _longs([table[r] for r in pool_rows], device))
 
     def gather(self, blocks: Tensor, layer: int, plan: GatherPlan,
                dtype: torch.dtype | None = None, scales: Tensor | None = None) -> Tensor:
         """``blocks`` = kv[layer] ([NB, bs, Hkv, D]) gathered through the plan into ``dtype`` (default
         the pool's), times ``scales`` [NB, bs, Hkv] when given (an int8 pool), compressed rows
-        decoded: one index_select, then per arena one byte gather and one batched decode."""
-        if blocks.element_size() == 1:  # float8 lacks index_select on some devices: gather the bytes
-            out = blocks.view(torch.uint8).index_select(0, plan.table).view(blocks.dtype)
-        else:
-            out = blocks.index_select(0, plan.table)
-        if dtype is not None and out.dtype != dtype:
-            out = out.to(dtype)
-        if scales is not None:
-            out.mul_(scales.index_select(0, plan.table).to(out.dtype).unsqueeze(-1))
-        for spec, rows, index in plan.groups:
-            raw = self.bytes[layer].index_select(0, index).view(rows.numel(), spec.nbytes)
-            out.index_copy_(0, rows, decode_rows(raw, spec, dtype=out.dtype))
+        decoded: one index_select of the pool entries, then per arena one byte gather and one batched
+        decode, written in place run by run (``DecodeGroup.runs``)."""
+        if not plan.groups:
+            return _pool_rows(blocks, plan.table, dtype, scales)
+        out = torch.empty((plan.table.numel(), *blocks.shape[1:]), dtype=dtype or blocks.dtype,
+                          device=blocks.device)
+        if plan.pool_ids is not None and plan.pool_ids.numel():
+            out.index_copy_(0, plan.pool_rows, _pool_rows(blocks, plan.pool_ids, out.dtype, scales))
+        for g in plan.groups:
+            raw = g.reads.read(self.bytes[layer], g.spec.nbytes)
+            if g.runs is not None:
+                decode_rows(raw, g.spec, dtype=out.dtype, out=out, runs=g.runs)
+            else:
+                out.index_copy_(0, g.rows, decode_rows(raw, g.spec, dtype=out.dtype))
         return out
 
     def decode_block(self, handle: int) -> Tensor:
@@ -305,3 +364,34 @@ class CompressedStore:
         index = h.arena.byte_index(torch.tensor([h.slot], device=self.bytes.device))
         raw = self.bytes[:, index]  # [L, slot_bytes]
         return to_storage(decode_rows(raw, h.arena.spec), self.dtype)
+
+
+def _longs(values: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def row_runs(rows: list[int]) -> Runs | None:
+    """Ascending ``rows`` as runs of consecutive rows ``(first row, index in rows, length)``; None
+    when there are more than ``MAX_RUNS`` (one decode op per run would cost more than a copy)."""
+    runs: list[list[int]] = []
+    for i, r in enumerate(rows):
+        if runs and runs[-1][0] + runs[-1][2] == r:
+            runs[-1][2] += 1
+        else:
+            if len(runs) == MAX_RUNS:
+                return None
+            runs.append([r, i, 1])
+    return tuple((a, b, n) for a, b, n in runs)
+
+
+def _pool_rows(blocks: Tensor, ids: Tensor, dtype: torch.dtype | None, scales: Tensor | None) -> Tensor:
+    """Pool blocks ``ids`` of one layer in ``dtype``, times their ``scales`` when given (int8 pool)."""
+    if blocks.element_size() == 1:  # float8 lacks index_select on some devices: gather the bytes
+        out = blocks.view(torch.uint8).index_select(0, ids).view(blocks.dtype)
+    else:
+        out = blocks.index_select(0, ids)
+    if dtype is not None and out.dtype != dtype:
+        out = out.to(dtype)
+    if scales is not None:
+        out.mul_(scales.index_select(0, ids).to(out.dtype).unsqueeze(-1))
+    return out

@@ -27,9 +27,11 @@ def unpack(packed: Tensor, bits: int) -> Tensor:
     per_byte = 8 // bits
     if per_byte == 1:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    mask = (1 << bits) - 1
+    # One shift per bit field, stacked: a broadcast shift over a [.., per_byte] axis of uint8 takes
+    # ATen's scalar path and measured 2x slower on the decode of every frozen block.
+    fields = [packed & mask] + [(packed >> (bits * i)) & mask for i in range(1, per_byte)]
+    return torch.stack(fields, -1).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
 def pack6(codes: Tensor) -> Tensor:

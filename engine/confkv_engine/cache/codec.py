@@ -23,7 +23,13 @@ from torch import Tensor
 
 from confkv_engine.cache.bitpack import pack, pack6, unpack, unpack6
 from confkv_engine.cache.codec_spec import DQ_HEADER, CodecSpec
-from confkv_engine.cache.group_quant import Params, dequantize, group_values, quantize_stored, ungroup
+from confkv_engine.cache.group_quant import (
+    Params,
+    Runs,
+    dequantize_blocks,
+    group_values,
+    quantize_stored,
+)
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,8 @@ def encode(x: Tensor, bits: int, axis: int, group: int, params: str = "fp16") ->
 def decode(block: EncodedBlock, dtype: torch.dtype = torch.float32) -> Tensor:
     """The block [*shape] in ``dtype`` (contiguous)."""
     spec = block.spec
-    g = dequantize(unpack(block.codes, spec.bits), *group_values(block.params, spec), dtype)
-    return ungroup(g, spec).contiguous()
+    scales, mins = group_values(block.params, spec)
+    return dequantize_blocks(unpack(block.codes, spec.bits), scales, mins, spec, dtype=dtype)
 
 
 def encode_rows(x: Tensor, spec: CodecSpec) -> Tensor:
@@ -79,11 +85,14 @@ def encode_rows(x: Tensor, spec: CodecSpec) -> Tensor:
 
 
 def decode_rows(rows: Tensor, spec: CodecSpec, dtype: torch.dtype = torch.float32,
-                layer: int | None = None) -> Tensor:
+                layer: int | None = None, out: Tensor | None = None,
+                runs: Runs | None = None) -> Tensor:
     """Decode N encodings at once: rows [N, nbytes] -> [N, *shape], or [N, *shape[1:]] for one layer.
 
     ``rows`` may be gathered from pool memory (``buf[block_ids]``); only ``layer``'s codes and
-    parameters are dequantized when it is given (``axis`` must not be 0 then).
+    parameters are dequantized when it is given (``axis`` must not be 0 then). ``out`` (contiguous,
+    of that shape and ``dtype``, or of any number of rows with ``runs``) receives the result instead
+    of a new tensor; ``runs`` = ``(out row, decoded row, rows)`` places the decoded rows in runs.
     """
     if rows.dim() != 2:
         raise ValueError(f"rows must be [N, nbytes], got shape {tuple(rows.shape)}")
@@ -98,8 +107,7 @@ def decode_rows(rows: Tensor, spec: CodecSpec, dtype: torch.dtype = torch.float3
         codes = codes[:, layer]
         params = (params[0][:, layer], params[1][:, layer])  # headers are per layer (axis != 0)
     scales, mins = group_values(params, spec)
-    g = dequantize(unpack(codes, spec.bits), scales, mins, dtype)
-    return ungroup(g, spec, layer).contiguous()
+    return dequantize_blocks(unpack(codes, spec.bits), scales, mins, spec, layer, dtype, out, runs)
 
 
 def _flatten(codes: Tensor, params: Params, spec: CodecSpec, lead: tuple[int, ...]) -> Tensor:

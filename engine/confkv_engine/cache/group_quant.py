@@ -53,6 +53,7 @@ from confkv_engine.cache.codec_spec import DQ_CODES, DQ_HEADER, DQ_SCALE_STEP, C
 FP16_MAX = 65504.0
 
 Params = tuple[Tensor, Tensor]  # as stored: fp16 (scales, mins) or dq6 (headers, codes)
+Runs = tuple[tuple[int, int, int], ...]  # (first output row, first decoded row, rows) per run
 
 
 def _grouped(x: Tensor, spec: CodecSpec) -> Tensor:
@@ -155,3 +156,39 @@ def dequantize(codes: Tensor, scales: Tensor, mins: Tensor, dtype: torch.dtype =
     """codes [..., group] * scales[..., None] + mins[..., None], computed in fp32, cast to ``dtype``."""
     x = codes.float() * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
     return x.to(dtype)
+
+
+def dequantize_blocks(codes: Tensor, scales: Tensor, mins: Tensor, spec: CodecSpec,
+                      layer: int | None = None, dtype: torch.dtype = torch.float32,
+                      out: Tensor | None = None, runs: Runs | None = None) -> Tensor:
+    """``ungroup(dequantize(codes, scales, mins, dtype), spec, layer).contiguous()`` written once, in
+    the block layout: codes [*B, *groups_shape, group] -> [*B, *shape]; into ``out`` when given,
+    ``runs`` = ``(out row, decoded row, rows)`` along the first axis (default: all rows at 0).
+
+    With one group along ``axis`` (the codec's key and value defaults) the scales and minimums are
+    broadcast views of the block layout, so one fused multiply-add (``addcmul``, computed in fp32)
+    writes the result where ``dequantize`` took a multiply, an add and, for keys, the transposing
+    copy of ``ungroup``: three passes over the block saved, and a fourth (the copy into a gathered
+    table) when it writes into ``out``. The fused form rounds once, so it may differ from
+    ``dequantize`` in the last bit; every reader of the codec decodes through here.
+    """
+    if spec.shape[spec.axis] == spec.group and dtype == torch.float32:
+        # uint8 codes moved into the block layout first (a quarter of the bytes of moving floats),
+        # so the fused multiply-add reads them in order.
+        c = ungroup(codes, spec, layer).to(torch.float32, memory_format=torch.contiguous_format)
+        s = ungroup(scales.float().unsqueeze(-1), spec, layer)
+        m = ungroup(mins.float().unsqueeze(-1), spec, layer)
+        if runs is None:
+            return torch.addcmul(m, c, s, out=torch.empty(c.shape, device=c.device) if out is None else out)
+        for dst, src, n in runs:
+            torch.addcmul(m[src:src + n], c[src:src + n], s[src:src + n], out=out[dst:dst + n])
+        return out
+    if spec.shape[spec.axis] == spec.group:  # another dtype: computed in fp32, then cast
+        x = dequantize_blocks(codes, scales, mins, spec, layer).to(dtype)
+    else:  # several groups along the axis: no broadcast view
+        x = ungroup(dequantize(codes, scales, mins, dtype), spec, layer).contiguous()
+    if out is None:
+        return x
+    for dst, src, n in runs or ((0, 0, x.shape[0]),):
+        out[dst:dst + n].copy_(x[src:src + n])
+    return out
