@@ -232,6 +232,19 @@ def test_health_answers_while_10_mb_of_token_ids_are_refused(server: EngineServe
     assert "2100001 tokens (2100000 in the prompt" in error["message"], error
 
 
+@pytest.mark.parametrize("bad", [1.5, "x", None])
+def test_health_answers_while_10_mb_of_token_ids_with_one_bad_item_are_refused(
+        server: EngineServer, bad: object) -> None:
+    body = json.dumps({"prompt": [100] * 2_100_000 + [bad], "max_tokens": 1})
+    answers: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: answers.append(post(server, "/v1/completions", body)))
+    worst = _worst_health_while(server, worker)
+    print(f"\n/health worst {worst * 1000:.0f} ms while 10 MB of token ids ending in {bad!r} were refused")
+    error = assert_openai_error(answers[0], 400, "invalid_value", "prompt")
+    assert "item 2100000 is" in error["message"], error
+    assert worst < HEALTH_BOUND_S, f"/health took {worst:.2f}s"
+
+
 def cjk_text(chars: int) -> str:
     """Rare CJK characters: two or three byte-level tokens each, the most tokens per character."""
     return "".join(chr(0x4E00 + (i * 7919) % 20_000) for i in range(chars))

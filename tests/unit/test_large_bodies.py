@@ -98,6 +98,48 @@ def test_a_text_prompt_is_checked_beyond_its_first_text() -> None:
         CompletionRequest.model_validate({"prompt": ["fine", "\udfff"]})
 
 
+BIG = 100_000
+
+
+@pytest.mark.parametrize(("model", "data"), [
+    (CompletionRequest, {"prompt": [7] * BIG + [None]}),
+    (CompletionRequest, {"prompt": [None] * BIG}),
+    (CompletionRequest, {"prompt": [[7] * BIG, [None] * BIG]}),
+    (CompletionRequest, {"prompt": "x", "stop": [1] * BIG}),
+    (CompletionRequest, {"prompt": "x", "stop_token_ids": ["a"] * BIG}),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {str(i): "a" for i in range(BIG)}}),
+    (ChatCompletionRequest, {"messages": [1] * BIG}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [1] * BIG}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [1] * BIG}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                             "metadata": {str(i): 1 for i in range(BIG)}}),
+    (DetokenizeRequest, {"tokens": ["a"] * BIG}),
+])
+def test_a_long_list_or_mapping_of_bad_items_fails_at_its_first_bad_item(model: type[BaseModel],
+                                                                        data: dict) -> None:
+    # An error per item is what held the event loop for seconds on a 10 MB body.
+    with pytest.raises(ValidationError) as err:
+        model.model_validate(data)
+    assert err.value.error_count() <= 5
+
+
+@pytest.mark.parametrize(("prompt", "named"), [
+    ([1, 2, None], "item 2 is null"), ([1, 2.0, 1.5], "item 2 is a number with a fraction"),
+    ([1, True, {}], "item 2 is an object"), ([5] * BIG + ["x"], f"item {BIG} is a string"),
+])
+def test_a_list_of_ids_with_a_bad_item_is_refused_naming_that_item(prompt: list, named: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest.model_validate({"prompt": prompt})
+    (error,) = err.value.errors()
+    assert error["loc"] == ("prompt",) and named in error["msg"]
+
+
+def test_lax_ids_and_numeric_biases_are_still_accepted() -> None:
+    request = CompletionRequest.model_validate({"prompt": [1, True, 2.0],
+                                                "logit_bias": {"3": "1.5", "4": True}})
+    assert request.prompt == [1, 1, 2] and request.logit_bias == {"3": 1.5, "4": 1.0}
+
+
 def test_free_in_slices_frees_only_what_nothing_else_holds() -> None:
     kept, kept_inner = list(IDS), list(IDS)
     held = [list(IDS), kept, [list(IDS), kept_inner, list(IDS[:10])]]

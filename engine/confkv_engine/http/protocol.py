@@ -16,13 +16,24 @@ field. ``seed`` is a signed 64-bit integer, as in OpenAI's API and as torch's ge
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from confkv_engine.core.sampling_params import InvalidRequest
 
 MAX_STOP_STRINGS = 16
+MAX_METADATA_PAIRS = 16  # OpenAI's limit on ``metadata``
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
@@ -38,6 +49,13 @@ def check_unicode(text: str) -> str:
 
 
 MAX_CHOICES = 64  # n / best_of: each choice is a sequence in the batch
+
+# Every list field stops at its first bad item. By default pydantic builds an error per item, and
+# a union tries each member: a 10 MB list of ids with one bad item held the event loop for 10-28 s
+# (health probes time out), where the answer names only the first error anyway. Dict fields check
+# their values the same way in a before-validator (pydantic has no fail-fast for mappings).
+FAIL_FAST = Field(fail_fast=True)
+_BIAS = TypeAdapter(float)
 
 
 class ErrorInfo(BaseModel):
@@ -76,7 +94,7 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], FAIL_FAST] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -89,11 +107,11 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: Annotated[list[int], FAIL_FAST] = Field(default_factory=list)
     kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] | None = None
     kv_budget: float | None = Field(default=None, gt=0.0, le=1.0)
     # The kept tiers, highest first (confkv.tiers): ["full", "int4", "int2"], ["full", "key_only"]...
-    kv_tiers: list[Literal["full", "key_only", "int8", "int4", "int2"]] | None = Field(
+    kv_tiers: Annotated[list[Literal["full", "key_only", "int8", "int4", "int2"]], FAIL_FAST] | None = Field(
         default=None, max_length=5)
 
     @model_validator(mode="before")
@@ -103,6 +121,15 @@ class _Request(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _numeric_biases(cls, value: Any) -> Any:
+        if isinstance(value, dict):  # fail fast on the first bad value (see FAIL_FAST)
+            for bias in value.values():
+                if not isinstance(bias, int | float) or isinstance(bias, bool):
+                    _BIAS.validate_python(bias)  # a numeric string passes, as pydantic's float
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -149,12 +176,28 @@ class CompletionRequest(_Request):
     # builds an error per id (0.5 s holding the GIL for 2M ids). Strict ids first, then the other
     # forms, then lax ids (1.0 -> 1): the values the smart union picks (numeric strings stay text)
     # and the same first error; the schema is unchanged (both id forms are arrays of integers).
-    prompt: str | list[StrictInt] | list[str] | list[list[int]] | list[int] = Field(
+    prompt: (str | Annotated[list[StrictInt], FAIL_FAST] | Annotated[list[str], FAIL_FAST]
+             | Annotated[list[Annotated[list[int], FAIL_FAST]], FAIL_FAST]
+             | Annotated[list[int], FAIL_FAST]) = Field(
         union_mode="left_to_right")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _bad_id_named(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A list of ids with one bad item is refused naming that item, not with the union's first
+        error ("should be a valid string", for a list of integers)."""
+        try:
+            return handler(value)
+        except ValidationError:
+            bad = _first_non_id(value)
+            if bad is None:
+                raise
+            kind = _JSON_KINDS.get(type(value[bad]), type(value[bad]).__name__)
+            raise ValueError(f"a prompt of token ids holds only integers; item {bad} is {kind}") from None
 
     @field_validator("prompt")
     @classmethod
@@ -189,12 +232,35 @@ class CompletionRequest(_Request):
         return prompt
 
 
+_JSON_KINDS = {type(None): "null", str: "a string", float: "a number with a fraction", list: "an array",
+               dict: "an object"}
+
+
+def _lax_id(item: Any) -> bool:
+    # What the lax list[int] member of the prompt union accepts as an id.
+    return type(item) in (int, bool) or (type(item) is float and item.is_integer())
+
+
+def _first_non_id(value: Any) -> int | None:
+    """Index of the first item that is not an id in a list that starts with an integer, else None."""
+    if not isinstance(value, list) or not value or type(value[0]) is not int:
+        return None
+    step = 8192  # one short C call per slice to find the slice, then a look inside it
+    for start in range(0, len(value), step):
+        chunk = value[start:start + step]
+        if not set(map(type, chunk)) <= {int, bool}:
+            bad = next((i for i, x in enumerate(chunk) if not _lax_id(x)), None)
+            if bad is not None:
+                return start + bad
+    return None
+
+
 class ChatMessage(BaseModel):
     """One chat message. Content may be a string or OpenAI's list of text parts."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
     name: str | None = None
 
     @field_validator("content")
@@ -221,18 +287,25 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], FAIL_FAST] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
     tool_choice: Any = None
-    functions: list[dict[str, Any]] | None = None
+    functions: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _few_metadata_pairs(cls, value: Any) -> Any:
+        if isinstance(value, dict) and len(value) > MAX_METADATA_PAIRS:  # before its values are checked
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata key-value pairs are allowed")
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -270,7 +343,7 @@ class TokenizeChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], FAIL_FAST] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
@@ -282,4 +355,4 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     TOKEN_ID_FIELDS: ClassVar[tuple[str, ...]] = ("tokens",)  # as on the generation requests
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[int], FAIL_FAST]
