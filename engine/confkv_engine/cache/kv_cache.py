@@ -205,12 +205,6 @@ class KVCache:
         return (sum(1 for b in blocks if b >= 0) * self.spec.block_bytes
                 + sum(self.store.nbytes(b) for b in blocks if b < 0))
 
-    def shares_blocks(self, seq: SeqKV) -> bool:
-        """True when another holder references one of the sequence's blocks (then they are immutable)."""
-        ref = self.store.ref
-        return any(ref(b) > 1 for b in seq.k_blocks) or any(
-            b != self.null_block and ref(b) > 1 for b in seq.v_blocks)
-
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a full (unevicted) cache of ``num_tokens`` needs: K and V tables."""
         return 2 * -(-num_tokens // self.spec.block_size)
