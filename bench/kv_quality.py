@@ -92,12 +92,15 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale,
                               pool=args.pool if policy.startswith("conf-kv") else 1)
+    # The precision-tier settings only reach the rows with tiers, so sweeping them never re-measures
+    # (or re-keys) the others.
+    precision = dict(precision_window_fraction=args.tier_window_fraction, precision_loss=args.tier_loss,
+                     last_tier_below=args.tier_last_below, freeze_order=args.tier_freeze_order,
+                     precision_group=args.tier_group, precision_window=args.tier_window) if precisions else {}
     tiers = TierConfig(high=args.high, medium=args.medium, sinks=SERVED.sinks, window=args.window,
-                       window_fraction=args.window_fraction,
-                       precision_window_fraction=args.tier_window_fraction, key_share=args.key_share,
+                       window_fraction=args.window_fraction, key_share=args.key_share,
                        granularity=args.granularity if policy.startswith("conf-kv") else "head",
-                       precisions=precisions, key_only=not precisions, precision_loss=args.tier_loss,
-                       last_tier_below=args.tier_last_below)
+                       precisions=precisions, key_only=not precisions, **precision)
     if f is not None and args.budget_basis == "peak":  # f x the window's full cache, at every length
         size = 1024 if args.quick else 2048
         return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget_tokens=round(f * size))
@@ -302,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tier-last-below", type=float, default=TierConfig.last_tier_below,
                     help="conf-kv+tiers: confidence below which a token leaving the window goes to the "
                          "last precision tier (0: only the budget walk demotes below the first)")
+    ap.add_argument("--tier-window", type=int, default=SERVED.window or TierConfig.precision_window,
+                    help="conf-kv+tiers: the minimal always-FULL recent window (may be under the interval)")
+    ap.add_argument("--tier-freeze-order", default=TierConfig.freeze_order,
+                    help="conf-kv+tiers: staged tokens frozen into blocks by position or by confidence")
+    ap.add_argument("--tier-group", type=int, default=TierConfig.precision_group,
+                    help="conf-kv+tiers: the codec's value group (keys: min(group, block size))")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/kv_quality[_quick|_tune].json)")
     ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",

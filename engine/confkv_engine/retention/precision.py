@@ -59,7 +59,7 @@ def _loss(cfg: TierConfig, tier: Tier) -> float:
         return 0.0
     if tier == Tier.DISCARD:
         return 1.0
-    return cfg.precision_loss[(Tier.INT8, Tier.INT4, Tier.INT2).index(tier)]
+    return cfg.precision_loss[list(PRECISION_TIERS.values()).index(tier)]
 
 
 def step_weights(cfg: TierConfig, acct: KVAccounting) -> list[float]:
