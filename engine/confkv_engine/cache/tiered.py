@@ -2,7 +2,7 @@
 store, re-quantized to fewer bits, or dropped.
 
 Retention (``retention.compaction``) lays a sequence out as ``[shared prefix][frozen][rewritable]``:
-the *frozen* region is whole blocks, each holding slots of one precision tier (int8, int4 or int2)
+the *frozen* region is whole blocks, each holding slots of one precision tier (int8, int4, k4v2 or int2)
 in every (layer, KV head), stored as negative handles in the same arenas the cache's compression
 of cold blocks uses (``arena``, codec ``block_codecs``: keys per channel, values per token) and
 decoded on read by the same gather (``KVCache.gather``). So attention needs no second dequant path.

@@ -150,7 +150,7 @@ class TierConfig:
     # chains' minimal one). It may be shorter than a decision interval: a token leaving it early is
     # quantized, and dropped only where the walk prices that lowest; the recent FULL tokens are a
     # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/retention.md).
-    precision_window: int | None = None
+    precision_window: int | None = 16
     # Value group of the codec (keys: min(group, block_size)); the cache compression's groupSize.
     precision_group: int = 64
     # Precision chain only: which staged tokens of a tier fill its next frozen blocks, and in what
