@@ -24,7 +24,9 @@ their byte columns are the sequence's real bytes, compressed blocks at their enc
 read as peers at their own measured bytes (they have no budget: ``f`` is ``-``).
 
 ``--tiers int4,int2`` adds ``conf-kv+tiers`` at every budget: conf-kv choosing each token's precision
-(FULL / int4 / int2 / DISCARD, ``retention.precision``) through the same codec.
+(FULL / int4 / int2 / DISCARD, ``retention.precision``) through the same codec; ``--tier-*`` set its
+``TierConfig`` fields (window, losses, freeze order, value group) and reach only those rows.
+``--interval`` runs the perplexity rows at another decision interval (``confkv.decisionInterval``).
 
     python bench/kv_quality.py --quick --policies full,conf-kv,conf-kv+tiers --compress 4,2 --tiers int4,int2
 
@@ -92,12 +94,15 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale,
                               pool=args.pool if policy.startswith("conf-kv") else 1)
+    # The precision-tier settings only reach the rows with tiers, so sweeping them never re-measures
+    # (or re-keys) the others.
+    precision = dict(precision_window_fraction=args.tier_window_fraction, precision_loss=args.tier_loss,
+                     last_tier_below=args.tier_last_below, freeze_order=args.tier_freeze_order,
+                     precision_group=args.tier_group, precision_window=args.tier_window) if precisions else {}
     tiers = TierConfig(high=args.high, medium=args.medium, sinks=SERVED.sinks, window=args.window,
-                       window_fraction=args.window_fraction,
-                       precision_window_fraction=args.tier_window_fraction, key_share=args.key_share,
+                       window_fraction=args.window_fraction, key_share=args.key_share,
                        granularity=args.granularity if policy.startswith("conf-kv") else "head",
-                       precisions=precisions, key_only=not precisions, precision_loss=args.tier_loss,
-                       last_tier_below=args.tier_last_below)
+                       precisions=precisions, key_only=not precisions, **precision)
     if f is not None and args.budget_basis == "peak":  # f x the window's full cache, at every length
         size = 1024 if args.quick else 2048
         return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget_tokens=round(f * size))
@@ -107,7 +112,7 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
 class OfflineRunner:
     """Drives each window through the paged cache with ``run_sequence`` (no scheduler)."""
 
-    def __init__(self, loaded, kv_cache_dtype: str) -> None:
+    def __init__(self, loaded, kv_cache_dtype: str, interval: int = CHUNK) -> None:
         from confkv_engine.cache.kv_cache import CacheSpec, KVCache
         from confkv_engine.cache.layout import resolve_cache_dtype
 
@@ -117,6 +122,7 @@ class OfflineRunner:
                          compute_dtype=torch.float32)
         self.cache = KVCache.from_budget(spec, 2 * 2048 * spec.block_bytes // 16 + 8 * spec.block_bytes)
         self.loaded = loaded
+        self.interval = interval
 
     def run(self, cfg: RetentionConfig, tokens: list[int], compress_bits: int | None = None) -> dict:
         if compress_bits is not None:
@@ -124,8 +130,8 @@ class OfflineRunner:
         from confkv_engine.retention.manager import RetentionManager
         from tests.drivers.offline import run_sequence
 
-        manager = RetentionManager(self.cache, self.loaded.model.args.num_heads, cfg, CHUNK)
-        out = run_sequence(self.loaded.model, self.cache, manager, cfg, tokens, CHUNK)
+        manager = RetentionManager(self.cache, self.loaded.model.args.num_heads, cfg, self.interval)
+        out = run_sequence(self.loaded.model, self.cache, manager, cfg, tokens, self.interval)
         return {"logprobs": out.logprobs, "peak": out.peak_bytes,
                 "mean": sum(out.held_bytes) / max(len(out.held_bytes), 1)}
 
@@ -134,9 +140,10 @@ class EngineRunner:
     """Feeds each window as a prompt (``max_tokens=0``, prompt logprobs) through ``LLMEngine``:
     scheduler, paged cache, retention after every 32-token prefill chunk, as in serving."""
 
-    def __init__(self, loaded, kv_cache_dtype: str) -> None:
+    def __init__(self, loaded, kv_cache_dtype: str, interval: int = CHUNK) -> None:
         self.loaded = loaded
         self.kv_cache_dtype = kv_cache_dtype
+        self.interval = interval
         self.count = 0
 
     def run(self, cfg: RetentionConfig, tokens: list[int], compress_bits: int | None = None) -> dict:
@@ -144,10 +151,12 @@ class EngineRunner:
         from confkv_engine.core.engine import LLMEngine
         from confkv_engine.core.sampling_params import SamplingParams
 
-        engine_section = {"prefillChunk": CHUNK, "maxNumBatchedTokens": CHUNK, "blockSize": 16}
+        chunk = self.interval
+        engine_section = {"prefillChunk": chunk, "maxNumBatchedTokens": chunk, "blockSize": 16}
         config = load_config({"engine": engine_section,
                               "confkv": {"maxCacheSize": str(256 * 2**20),  # 2,048 fp32 tokens: 90 MiB
-                                         "kvCacheDtype": self.kv_cache_dtype}})
+                                         "kvCacheDtype": self.kv_cache_dtype,
+                                         "decisionInterval": self.interval}})
         engine = LLMEngine(self.loaded, config, retention=cfg)
         self.count += 1
         rid = f"kvq-{self.count}"
@@ -184,9 +193,11 @@ def compress_all(engine, bits: int) -> None:
 
 
 def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tune: bool, runner: str,
-               kv_cache_dtype: str) -> str:
-    blob = json.dumps([name, f, asdict(cfg), quick, tune, runner, kv_cache_dtype], sort_keys=True,
-                      default=str)
+               kv_cache_dtype: str, interval: int = CHUNK) -> str:
+    fields = [name, f, asdict(cfg), quick, tune, runner, kv_cache_dtype]
+    if interval != CHUNK:  # the served interval keeps the keys rows were stored under before the flag
+        fields.append(interval)
+    blob = json.dumps(fields, sort_keys=True, default=str)
     return f"{name}@{f}#{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 
@@ -278,7 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-dtype", default="bfloat16",
                     choices=("bfloat16", "float16", "float32", "fp8", "int8"),
                     help="KV pool storage dtype of every row (the model stays fp32); default bfloat16")
-    ap.add_argument("--window", type=int, default=SERVED.window or CHUNK)
+    ap.add_argument("--interval", type=int, default=CHUNK,
+                    help="perplexity rows: decision interval and prefill chunk (confkv.decisionInterval; "
+                         "served default 32)")
+    ap.add_argument("--window", type=int, default=None, help="minimal window (default: the interval)")
     ap.add_argument("--window-fraction", type=float, default=TierConfig.window_fraction)
     ap.add_argument("--high", type=float, default=SERVED.confidence_thresholds.high)
     ap.add_argument("--medium", type=float, default=SERVED.confidence_thresholds.medium)
@@ -302,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tier-last-below", type=float, default=TierConfig.last_tier_below,
                     help="conf-kv+tiers: confidence below which a token leaving the window goes to the "
                          "last precision tier (0: only the budget walk demotes below the first)")
+    ap.add_argument("--tier-window", type=int, default=SERVED.window or TierConfig.precision_window,
+                    help="conf-kv+tiers: the minimal always-FULL recent window (may be under the interval)")
+    ap.add_argument("--tier-freeze-order", default=TierConfig.freeze_order,
+                    help="conf-kv+tiers: staged tokens frozen into blocks by position or by confidence")
+    ap.add_argument("--tier-group", type=int, default=TierConfig.precision_group,
+                    help="conf-kv+tiers: the codec's value group (keys: min(group, block size))")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/kv_quality[_quick|_tune].json)")
     ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",
@@ -311,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.window = args.window or SERVED.window or args.interval
     if args.scenario != "ppl":
         from kv_scenarios import run_scenario
 
@@ -328,19 +349,19 @@ def main(argv: list[str] | None = None) -> int:
     loaded.model.eval()
     wins = windows(pydoc_tokens(loaded.tokenizer), args.quick, args.tune)
     runner_type = EngineRunner if args.runner == "engine" else OfflineRunner
-    runner = runner_type(loaded, args.kv_cache_dtype)
+    runner = runner_type(loaded, args.kv_cache_dtype, args.interval)
     data = load_results(out)
     wanted = set(args.policies.split(",")) if args.policies else None
     rows = []
     for name, f, cfg in plan(args):
         if wanted and name not in wanted and name != "full" and not name.startswith("kivi-"):
             continue
-        key = config_key(name, f, cfg, args.quick, args.tune, args.runner, args.kv_cache_dtype)
+        key = config_key(name, f, cfg, args.quick, args.tune, args.runner, args.kv_cache_dtype, args.interval)
         if key not in data["results"]:
             res = measure(runner, name, cfg, wins)
             res.update({"f": f, "config": json.loads(json.dumps(asdict(cfg), default=str))})
             data["results"][key] = res
-            data["meta"] = {"windows": [len(w) for w in wins], "chunk": CHUNK, "runner": args.runner,
+            data["meta"] = {"windows": [len(w) for w in wins], "chunk": args.interval, "runner": args.runner,
                             "kv_cache_dtype": args.kv_cache_dtype, "budget_basis": args.budget_basis,
                             "quick": args.quick, "tune": args.tune, "torch": torch.__version__}
             out.write_text(json.dumps(data, indent=1))  # checkpoint after every configuration

@@ -201,8 +201,9 @@ class CompressionSection(_Model):
     cold_after_seconds: float = Field(default=30.0, ge=0.0, le=7 * 86_400.0)
 
 
-TierName = Literal["full", "key_only", "int8", "int4", "int2"]
-_PRECISION_BITS = {"int8": 8, "int4": 4, "int2": 2}
+TierName = Literal["full", "key_only", "int8", "int4", "k4v2", "int2"]
+# Precision tiers highest first; k4v2 keeps keys at int4 and values at int2.
+_PRECISION_TIERS = ("int8", "int4", "k4v2", "int2")
 
 
 def check_tiers(tiers: list[str]) -> list[str]:
@@ -214,14 +215,14 @@ def check_tiers(tiers: list[str]) -> list[str]:
     if rest == ["key_only"]:
         return tiers
     if "key_only" in rest:
-        raise ValueError("key_only cannot be combined with int8/int4/int2 (it costs more than a precision "
+        raise ValueError("key_only cannot be combined with precision tiers (it costs more than a precision "
                          "tier that keeps the value); use ['full', 'key_only']")
-    unknown = [t for t in rest if t not in _PRECISION_BITS]
+    unknown = [t for t in rest if t not in _PRECISION_TIERS]
     if unknown:
-        raise ValueError(f"after 'full' only precision tiers ({', '.join(_PRECISION_BITS)}) or 'key_only' "
+        raise ValueError(f"after 'full' only precision tiers ({', '.join(_PRECISION_TIERS)}) or 'key_only' "
                          f"may follow, got {tiers}")
-    bits = [_PRECISION_BITS[t] for t in rest]
-    if bits != sorted(set(bits), reverse=True):
+    order = [_PRECISION_TIERS.index(t) for t in rest]
+    if order != sorted(set(order)):
         raise ValueError(f"precision tiers must be distinct and highest first, got {tiers}")
     return tiers
 

@@ -4,14 +4,17 @@ shared prefix block is never recompressed or demoted by one of its readers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from confkv_engine.cache import kv_cache as kv_cache_module
 from confkv_engine.cache.tiered import freeze_blocks, requantize_block
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
-from confkv_engine.retention import precision
+from confkv_engine.retention import compaction, precision
 from confkv_engine.retention.policies import RetentionConfig
+from confkv_engine.retention.scorer import attention_signal
 from confkv_engine.retention.tiers import Tier, TierConfig
 from tests.engine.test_retention_engine import CHUNK, GreedyAdmission, loaded, make_engine, prompt
 
@@ -22,8 +25,8 @@ pytest.importorskip("transformers")
 TIERS = TierConfig(window=CHUNK, medium=0.3, key_only=False, precisions=("int4", "int2"), precision_group=16)
 
 
-def tiered(f: float) -> RetentionConfig:
-    return RetentionConfig(policy="conf-kv", tiers=TIERS, budget=f)
+def tiered(f: float, **changes) -> RetentionConfig:
+    return RetentionConfig(policy="conf-kv", tiers=replace(TIERS, **changes), budget=f)
 
 
 def walk_bytes(state) -> int:
@@ -35,12 +38,17 @@ def walk_bytes(state) -> int:
     return precision.held_bytes(state.acct, state.base, state.frozen_block_tiers(), n_full, staged, kept[1:])
 
 
-def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
+@pytest.mark.parametrize(("f", "changes"), [(0.5, {}), (0.5, {"freeze_order": "confidence"}),
+                                           (0.5, {"precision_window": None}),
+                                           (0.45, {"precisions": ("int4", "k4v2")})])
+def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded, f: float, changes: dict) -> None:
     # 0.5: at 0.25 of 300 tokens, after the room left for the next chunk, a unit cannot stage the 16
-    # tokens a frozen block needs and the walk keeps FULL tokens only (nothing would be frozen).
-    eng = make_engine(loaded, retention=tiered(0.5))
+    # tokens a frozen block needs and the walk keeps FULL tokens only (nothing would be frozen); at 0.5
+    # every token fits at int4, so the k4v2 chain runs at 0.45. The default window (16) is under the
+    # decision interval (CHUNK): a precision chain may run one; None is the interval's window.
+    eng = make_engine(loaded, retention=tiered(f, **changes))
     eng.add_request("a", prompt(300), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    frozen_seen = 0
+    frozen_seen, tiers_seen = 0, set()
     while eng.has_unfinished():
         outs = eng.step()
         for seq in eng.scheduler.running:
@@ -49,15 +57,51 @@ def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded) -> None:
             assert held == walk_bytes(st), seq.num_computed
             floor = st.acct.held_bytes(4 + CHUNK, 4 + CHUNK)
             slack = st.acct.held_bytes(CHUNK, CHUNK)
-            assert held <= max(0.5 * st.acct.full_bytes(seq.num_computed), floor + slack)
+            assert held <= max(f * st.acct.full_bytes(seq.num_computed), floor + slack)
             frozen_seen = max(frozen_seen, st.frozen)
+            tiers_seen.update(name for name, n in st.precision_counts().items() if n)
             # Frozen blocks are compressed handles in both tables; the rest are pool blocks.
             nb = st.key_start // 16
             assert all(b < 0 for b in seq.kv.k_blocks[:nb] + seq.kv.v_blocks[:nb])
             assert all(b >= 0 for b in seq.kv.k_blocks[nb:])
     usage = outs[-1].kv_usage
     assert frozen_seen > 0 and usage.tokens_int4 + usage.tokens_int2 > 0
+    assert set(changes.get("precisions", ())) <= tiers_seen  # every tier of the chain was held
     assert eng.cache.num_free == eng.cache.num_blocks and len(eng.cache.store) == 0  # all back
+
+
+def test_confidence_freeze_order_fills_blocks_from_the_most_attended_staged_tokens(loaded,
+                                                                                  monkeypatch) -> None:
+    # Each freeze: per unit, the blocks hold the tier's staged tokens by attention signal, high to
+    # low, and every token left staged is below all of them (it stays individually droppable).
+    frozen_now: list[tuple[int, list[int]]] = []
+    real = compaction.freeze_blocks
+
+    def recording(cache, seq, start, bits, group):
+        frozen_now.append((start, list(bits)))
+        return real(cache, seq, start, bits, group)
+
+    monkeypatch.setattr(compaction, "freeze_blocks", recording)
+    eng = make_engine(loaded, retention=tiered(0.5, freeze_order="confidence"))
+    eng.add_request("a", prompt(300), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    checked = 0
+    while eng.has_unfinished():
+        frozen_now.clear()
+        eng.step()
+        for seq in eng.scheduler.running:
+            st = seq.policy_state
+            signal = attention_signal(st.acc, st.norm)
+            for start, bits in frozen_now:
+                for b in set(bits):  # one run of blocks per tier, int4 then int2
+                    first, n = 16 * (start + bits.index(b)), 16 * bits.count(b)
+                    block = signal[..., first:first + n]
+                    assert bool((block[..., :-1] >= block[..., 1:]).all())
+                    tier = Tier.INT4 if b == 4 else Tier.INT2
+                    staged = (st.tiers == tier) & (torch.arange(st.num_slots) >= st.key_start)
+                    rest = torch.where(staged, signal, torch.full_like(signal, -1.0)).amax(-1)
+                    assert bool((rest <= block.amin(-1)).all())
+                    checked += 1
+    assert checked > 0
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
@@ -111,15 +155,23 @@ def test_shared_prefix_blocks_are_never_recompressed_or_demoted(loaded, compress
                 frozen_seen = True
                 assert all(b < 0 for b in seq.kv.k_blocks[8:st.key_start // 16])  # its own frozen blocks
                 with pytest.raises(ValueError, match="private blocks"):
-                    freeze_blocks(eng.cache, seq.kv, 0, [4], 16)
+                    freeze_blocks(eng.cache, seq.kv, 0, [(4, 4)], 16)
                 with pytest.raises(ValueError, match="private blocks"):
-                    requantize_block(eng.cache, seq.kv, 0, 2, 16)
+                    requantize_block(eng.cache, seq.kv, 0, (2, 2), 16)
     assert frozen_seen
     # Once the reader is gone the index still holds the same blocks with the same bytes.
     assert tables is not None and before is not None
     entries = eng.cache.match(shared, 8)
     assert [e.k_block for e in entries] + [e.v_block for e in entries] == tables
     assert torch.equal(torch.stack([eng.cache.store.block_data(b) for b in tables]), before)
+
+
+def test_only_a_precision_chain_may_run_a_window_under_the_decision_interval(loaded) -> None:
+    eng = make_engine(loaded)
+    eng.retention.check(tiered(0.5, precision_window=16))
+    short = RetentionConfig(policy="conf-kv", tiers=TierConfig(window=16), budget=0.5)
+    with pytest.raises(ValueError, match="must hold a prefill chunk"):
+        eng.retention.check(short)
 
 
 def test_bad_tiers_are_a_clear_request_error(loaded) -> None:

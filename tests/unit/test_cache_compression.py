@@ -14,7 +14,7 @@ from confkv_engine.attention.paged import PagedAttention
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.codec import decode_rows, encode_rows
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
-from confkv_engine.cache.tiered import freeze_blocks
+from confkv_engine.cache.tiered import freeze_blocks, requantize_block, tier_pair_bytes
 from confkv_engine.core.compression import CompressionWorker
 
 SMOLLM2 = (30, 3, 64)  # layers, KV heads, head_dim
@@ -98,6 +98,36 @@ def test_round_trip_is_the_codecs_exactly_and_the_ratio_is_its_bytes(dtype: torc
     assert k_ratio == pytest.approx(k_exp) and v_ratio == pytest.approx(v_exp)
     pair = cache.store.nbytes(seq.k_blocks[0]) + cache.store.nbytes(seq.v_blocks[0])
     assert cache.store.stored_bytes == 3 * pair
+
+
+def test_a_k4v2_tier_block_is_int4_keys_and_int2_values_at_their_exact_bytes() -> None:
+    cache = make_cache(20, torch.bfloat16, SMOLLM2)
+    seq = SeqKV()
+    fill(cache, seq, 2 * BS)
+    original = torch.stack([blocks_of(cache, seq.k_blocks), blocks_of(cache, seq.v_blocks)])
+    held = cache.seq_bytes(seq)
+    assert freeze_blocks(cache, seq, 0, [(4, 2)], 64) == 1
+    k4, _ = reference(cache, original, 4)
+    _, v2 = reference(cache, original, 2)
+    assert torch.equal(blocks_of(cache, seq.k_blocks[:1]), k4[:, :1])
+    assert torch.equal(blocks_of(cache, seq.v_blocks[:1]), v2[:, :1])
+    # The pool block pair (positions included) became the codecs' bytes plus the K block's positions.
+    kspec, _ = block_codecs(BS, 3, 64, 4, 64, 2)
+    _, vspec = block_codecs(BS, 3, 64, 2, 64, 2)
+    positions = SMOLLM2[0] * BS * SMOLLM2[1] * 4
+    pair = (kspec.nbytes + vspec.nbytes) * SMOLLM2[0] + positions
+    assert tier_pair_bytes(cache.spec, (4, 2), 64) == pair
+    assert held - cache.seq_bytes(seq) == 2 * cache.spec.block_bytes - pair
+    # An int4 block demoted to k4v2 keeps its key handle (same codec) and re-encodes only its values.
+    assert freeze_blocks(cache, seq, 1, [(4, 4)], 64) == 1
+    k_handle, v_handle = seq.k_blocks[1], seq.v_blocks[1]
+    int4_values = blocks_of(cache, [v_handle])
+    requantize_block(cache, seq, 1, (4, 2), 64)
+    assert seq.k_blocks[1] == k_handle and seq.v_blocks[1] != v_handle
+    assert torch.equal(blocks_of(cache, seq.k_blocks[1:]), k4[:, 1:])
+    _, int2_of_int4 = reference(cache, torch.stack([int4_values] * 2), 2)
+    assert torch.equal(blocks_of(cache, seq.v_blocks[1:]), int2_of_int4)
+    assert cache.seq_bytes(seq) == 2 * pair
 
 
 def test_compression_frees_pool_blocks_another_sequence_uses_at_once() -> None:
@@ -265,7 +295,7 @@ def test_hosts_freed_by_a_preemption_come_back_zeroed_and_a_replay_attends_over_
     fill(cache, a, 2 * BS)
     assert (a.k_blocks, a.v_blocks) == ([1, 2], [3, 4])
     cache.kv[:, 3] = torch.tensor([0.0, 0.0, 1.0, 1.0]).repeat(8)  # int8 codes 0, 0, 255, 255: NaN words
-    assert freeze_blocks(cache, a, 0, [8], 32) == 1
+    assert freeze_blocks(cache, a, 0, [(8, 8)], 32) == 1
     hosts = {spec.axis: arena.hosts for spec, arena in cache.store.arenas.items()}
     assert hosts == {0: [5], 2: [6]}  # K and V arenas, one host each, taken after the freed 1 and 3
     assert not torch.isfinite(cache.kv[:, 6]).all()  # the V host's codec bytes, read as fp32

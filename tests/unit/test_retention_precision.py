@@ -17,12 +17,12 @@ from confkv_engine.retention.precision import (
 )
 from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig, chain_from_names
 
-F, I4, I2, D = Tier.FULL, Tier.INT4, Tier.INT2, Tier.DISCARD
+F, I4, I2, D, K42 = Tier.FULL, Tier.INT4, Tier.INT2, Tier.DISCARD, Tier.K4V2
 KEPT = [F, I4, I2]
 # The walk's arithmetic below is checked with int2 cheap enough to beat dropping (loss 0.3) and the
 # thresholds sending tokens under 0.7 straight to int2; the defaults are checked on their own.
 CFG = TierConfig(sinks=1, window=2, key_only=False, precisions=("int4", "int2"),
-                 precision_loss=(0.002, 0.02, 0.3), last_tier_below=0.7)
+                 precision_loss=(0.002, 0.02, 0.1, 0.3), last_tier_below=0.7)
 # One token per block: a FULL pair costs 100 bytes, int4 30, int2 20 (no metadata).
 ACCT1 = KVAccounting(block_size=1, half_block_bytes=50, pair_bytes=((I4, 30), (I2, 20)))
 
@@ -49,12 +49,31 @@ def test_default_losses_drop_a_token_before_putting_tokens_at_int2() -> None:
     assert out[0].tolist() == [F, I4, I4, D, D, F, F]  # CFG's losses: three at int2 ([F, I2, I2, I2, D])
 
 
+def test_k4v2_sits_between_int4_and_dropping_in_the_walk() -> None:
+    # int4 30 bytes, k4v2 (int4 keys, int2 values) 25, DISCARD 0; default losses 0.02, 0.05 (then 1):
+    # int4 -> k4v2 costs 0.03 / 5 per byte, k4v2 -> DISCARD 0.95 / 25, so a tight budget moves tokens
+    # to k4v2 before it drops any.
+    acct = KVAccounting(block_size=1, half_block_bytes=50, pair_bytes=((I4, 30), (K42, 25)))
+    cfg = TierConfig(sinks=1, window=2, key_only=False, precisions=("int4", "k4v2"))
+    assert step_weights(cfg, acct) == pytest.approx([0.02 / 70, 0.03 / 5, 0.95 / 25])
+    conf = [0.0, 0.95, 0.9, 0.8, 0.5, 0.0, 0.0]
+    out = decide_precision(torch.arange(7)[None], torch.full((1, 7), F, dtype=torch.int8),
+                           torch.tensor([conf]), 7, 0, cfg, acct, 300 + 105, None, 0, 0)
+    assert out[0].tolist() == [F, I4, K42, K42, K42, F, F]  # 30 + 3 x 25; without k4v2 one is dropped
+
+
 def test_precision_chain_has_its_own_window_fraction() -> None:
     tiers = TierConfig(window=32, window_fraction=0.5, key_only=False, precisions=("int4",),
                        precision_window_fraction=0.25)
     assert tiers.effective_window(512, 16) == 128
     assert TierConfig(window=32, window_fraction=0.5).effective_window(512, 16) == 256
-    assert TierConfig(window=32, key_only=False, precisions=("int4",)).effective_window(512, 16) == 32
+    # Its minimal window is its own (``precision_window``, may be under the decision interval).
+    assert TierConfig(window=32, key_only=False, precisions=("int4",)).effective_window(512, 16) == 16
+    interval = TierConfig(window=32, key_only=False, precisions=("int4",), precision_window=None)
+    assert interval.effective_window(512, 16) == 32 and interval.min_window == 32  # None: ``window``
+    assert TierConfig(window=32).min_window == 32  # not a precision chain
+    with pytest.raises(ValueError, match="windows >= 1"):
+        TierConfig(key_only=False, precisions=("int4",), precision_window=0)
     with pytest.raises(ValueError, match="precision_window_fraction"):
         TierConfig(precision_window_fraction=1.0)
     with pytest.raises(ValueError, match="last_tier_below"):
@@ -163,11 +182,19 @@ def test_chain_names_and_config_validation() -> None:
         with pytest.raises(ValueError):
             chain_from_names(bad)
     assert ConfKVSection.model_validate({"tiers": ["full", "int8", "int2"]}).tiers == ["full", "int8", "int2"]
+    assert chain_from_names(["full", "int4", "k4v2", "int2"]) == (False, ("int4", "k4v2", "int2"))
     with pytest.raises(ValueError, match="highest first"):
         ConfKVSection.model_validate({"tiers": ["full", "int2", "int8"]})
+    for bad in (["full", "k4v2", "int4"], ["full", "int2", "k4v2"]):  # k4v2 sits between int4 and int2
+        with pytest.raises(ValueError, match="highest first"):
+            chain_from_names(bad)
+        with pytest.raises(ValueError, match="highest first"):
+            TierConfig(key_only=False, precisions=tuple(bad[1:]))
     with pytest.raises(ValueError, match="only precision tiers"):
         ConfKVSection.model_validate({"tiers": ["full", "int4", "full"]})
     with pytest.raises(ValueError, match="precision tier"):
         TierConfig(key_only=False, precisions=("int3",))
     with pytest.raises(ValueError, match="precision_loss"):
-        TierConfig(key_only=False, precisions=("int4",), precision_loss=(0.1, 0.05, 0.3))
+        TierConfig(key_only=False, precisions=("int4",), precision_loss=(0.1, 0.05, 0.2, 0.3))
+    with pytest.raises(ValueError, match="precision_loss"):  # one per tier: int8, int4, k4v2, int2
+        TierConfig(key_only=False, precisions=("int4",), precision_loss=(0.002, 0.02, 0.8))

@@ -248,6 +248,10 @@ class CompressedStore:
         self._refs[handle] = refs
         return handle
 
+    def spec(self, handle: int) -> CodecSpec:
+        """The codec a compressed block is stored with."""
+        return self._handles[handle].arena.spec
+
     def ref_count(self, handle: int) -> int:
         return self._refs.get(handle, 0)
 

@@ -2,7 +2,7 @@
 store, re-quantized to fewer bits, or dropped.
 
 Retention (``retention.compaction``) lays a sequence out as ``[shared prefix][frozen][rewritable]``:
-the *frozen* region is whole blocks, each holding slots of one precision tier (int8, int4 or int2)
+the *frozen* region is whole blocks, each holding slots of one precision tier (int8, int4, k4v2 or int2)
 in every (layer, KV head), stored as negative handles in the same arenas the cache's compression
 of cold blocks uses (``arena``, codec ``block_codecs``: keys per channel, values per token) and
 decoded on read by the same gather (``KVCache.gather``). So attention needs no second dequant path.
@@ -41,12 +41,21 @@ class TieredCache(Protocol):
     def _allocate(self, n: int) -> list[int]: ...
 
 
-def tier_codecs(spec: CacheSpec, bits: int, group: int) -> tuple[CodecSpec, CodecSpec]:
-    """Per-layer (key, value) codecs of a tier block: the cache's compression codecs."""
-    return block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, bits, group)
+# (key bits, value bits) of a tier block: the two halves may differ (int4 keys with int2 values).
+TierBits = tuple[int, int]
 
 
-def tier_pair_bytes(spec: CacheSpec, bits: int, group: int) -> int:
+def tier_codecs(spec: CacheSpec, bits: TierBits, group: int) -> tuple[CodecSpec, CodecSpec]:
+    """Per-layer (key, value) codecs of a tier block: the cache's compression codecs, keys at
+    ``bits[0]`` and values at ``bits[1]``."""
+    key_bits, value_bits = bits
+    k, v = block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, key_bits, group)
+    if value_bits != key_bits:
+        v = block_codecs(spec.block_size, spec.num_kv_heads, spec.head_dim, value_bits, group)[1]
+    return k, v
+
+
+def tier_pair_bytes(spec: CacheSpec, bits: TierBits, group: int) -> int:
     """Bytes of one K block plus one V block at ``bits``, all layers, the K block's positions included
     (what ``KVCache.seq_bytes`` counts for them)."""
     k, v = tier_codecs(spec, bits, group)
@@ -60,7 +69,7 @@ def _private(cache: TieredCache, blocks: list[int]) -> None:
                          "never recompressed or demoted by one of its readers)")
 
 
-def freeze_blocks(cache: TieredCache, seq: SeqKV, start: int, bits: list[int], group: int) -> int:
+def freeze_blocks(cache: TieredCache, seq: SeqKV, start: int, bits: list[TierBits], group: int) -> int:
     """Store table entries ``start, start + 1, ...`` (K and V, private pool blocks) at ``bits[i]``.
     Stops at the first block the codec refuses (inf, nan, beyond fp16); returns the blocks stored."""
     bs = cache.spec.block_size
@@ -84,14 +93,17 @@ def freeze_blocks(cache: TieredCache, seq: SeqKV, start: int, bits: list[int], g
     return len(bits)
 
 
-def requantize_block(cache: TieredCache, seq: SeqKV, index: int, bits: int, group: int) -> None:
-    """Re-encode the sequence's compressed block pair ``index`` at ``bits`` (a one-way demotion)."""
+def requantize_block(cache: TieredCache, seq: SeqKV, index: int, bits: TierBits, group: int) -> None:
+    """Re-encode the sequence's compressed block pair ``index`` at ``bits`` (a one-way demotion); a
+    half already in its new codec (int4 keys of an int4 block going to k4v2) is left as it is."""
     _private(cache, [seq.k_blocks[index], seq.v_blocks[index]])
     specs = tier_codecs(cache.spec, bits, group)
     for table, spec in ((seq.k_blocks, specs[0]), (seq.v_blocks, specs[1])):
         handle = table[index]
         if handle >= 0:
             raise ValueError("requantize_block takes compressed blocks")
+        if cache.store.spec(handle) == spec:
+            continue
         rows = encode_rows(cache.store.decode_block(handle), spec)
         positions = cache.store.positions(handle)
         cache.store.release([handle])

@@ -21,4 +21,5 @@ class KVUsage:
     # Precision tiers (frozen or staged; not counted in tokens_full)
     tokens_int8: int = 0
     tokens_int4: int = 0
+    tokens_k4v2: int = 0
     tokens_int2: int = 0

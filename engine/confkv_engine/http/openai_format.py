@@ -43,7 +43,7 @@ def usage(outs: RequestOutput | Sequence[RequestOutput]) -> dict[str, Any]:
         "kv_tokens_key_only": sum(o.kv_usage.tokens_key_only for o in outs),
         "kv_tokens_discarded": sum(o.kv_usage.tokens_discarded for o in outs),
         **{f"kv_tokens_{t}": sum(getattr(o.kv_usage, f"tokens_{t}") for o in outs)
-           for t in ("int8", "int4", "int2")},
+           for t in ("int8", "int4", "k4v2", "int2")},
         "effective_kv_budget": _effective_budget(outs),
     }
 

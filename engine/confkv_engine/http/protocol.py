@@ -111,7 +111,7 @@ class _Request(BaseModel):
     kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] | None = None
     kv_budget: float | None = Field(default=None, gt=0.0, le=1.0)
     # The kept tiers, highest first (confkv.tiers): ["full", "int4", "int2"], ["full", "key_only"]...
-    kv_tiers: Annotated[list[Literal["full", "key_only", "int8", "int4", "int2"]], FAIL_FAST] | None = Field(
+    kv_tiers: Annotated[list[Literal["full", "key_only", "int8", "int4", "k4v2", "int2"]], FAIL_FAST] | None = Field(
         default=None, max_length=5)
 
     @model_validator(mode="before")

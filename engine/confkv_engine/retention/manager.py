@@ -68,7 +68,8 @@ def config_from_section(section: ConfKVSection, interval: int,
         policy=_enforcing(section.kv_policy, section.budget, section.budget_tokens),
         tiers=TierConfig(high=th.high, medium=th.medium, sinks=section.sinks, window=window,
                          key_only=key_only, precisions=precisions,
-                         precision_group=section.compression.group_size),
+                         precision_group=section.compression.group_size,
+                         precision_window=TierConfig.precision_window if section.window is None else window),
         scorer=scorer_cfg or scorer.ScorerConfig(),
         budget=section.budget, budget_tokens=section.budget_tokens, budget_mode=section.budget_mode))
 
@@ -104,9 +105,11 @@ class RetentionManager:
         """Raise ValueError when the engine cannot run ``cfg``: the recent window must hold the
         tokens appended between two decisions (one prefill chunk, rounded up to whole blocks)."""
         if cfg.uses_precision and self.cache.kv.element_size() == 1:
-            raise ValueError("precision tiers (int8/int4/int2) need a bfloat16, float16 or float32 KV cache: "
-                             "an int8 or fp8 pool holds codes already")
-        if cfg.policy != "full" and cfg.tiers.window < self.interval:
+            raise ValueError("precision tiers (int8/int4/k4v2/int2) need a bfloat16, float16 or float32 KV "
+                             "cache: an int8 or fp8 pool holds codes already")
+        # A precision chain's window may be shorter: a token leaving it is quantized first, and the
+        # walk prices dropping it against every other token.
+        if cfg.policy != "full" and not cfg.uses_precision and cfg.tiers.window < self.interval:
             raise ValueError(f"the recent window ({cfg.tiers.window}) must hold a prefill chunk "
                              f"({self.interval} tokens) when kvPolicy is {cfg.policy!r}")
 
@@ -148,7 +151,7 @@ class RetentionManager:
         if cfg.policy == "full" or (cfg.budget is None and cfg.budget_tokens is None):
             return None
         acct = accounting(self.cache, cfg)
-        protected = min(max_len, cfg.tiers.sinks + cfg.tiers.window)
+        protected = min(max_len, cfg.tiers.sinks + cfg.tiers.min_window)
         target = budget_target(acct, max_len, cfg.budget, cfg.budget_tokens, protected)
         if cfg.schedule is not None:  # a scheduled budget may rise above the fixed one
             target = int(target * cfg.schedule.peak_factor)

@@ -68,14 +68,14 @@ class RetentionConfig:
 
     @property
     def uses_precision(self) -> bool:
-        """conf-kv choosing precisions (int8/int4/int2) besides FULL and DISCARD."""
+        """conf-kv choosing precisions (int8/int4/k4v2/int2) besides FULL and DISCARD."""
         return self.policy.startswith("conf-kv") and bool(self.tiers.precisions)
 
     def recent_window(self, acct: KVAccounting, target: int, limit: int | None = None) -> int:
         """conf-kv's always-FULL window: grows with the budget when one is set (window_fraction).
         ``limit`` (``window_limit``) keeps its start from moving back over tokens already tiered."""
         if self.budget is None and self.budget_tokens is None:
-            return self.tiers.window
+            return self.tiers.min_window
         window = self.tiers.effective_window(tokens_that_fit(target, acct), acct.block_size)
         return window if limit is None else min(window, limit)
 

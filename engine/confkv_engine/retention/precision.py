@@ -1,8 +1,9 @@
 """Precision tiers: confidence chooses each token's precision under the byte budget (pure functions).
 
 The chain is FULL, then the configured precision tiers highest first (``TierConfig.precisions``,
-e.g. int4, int2), then DISCARD. A token at int4 or int2 keeps both its key and its value through the
-cache's codec (keys grouped per channel, values per token, as KIVI; ``cache.tiered``).
+e.g. int4, int2), then DISCARD. A token at a precision tier keeps both its key and its value through
+the cache's codec (keys grouped per channel, values per token, as KIVI; ``cache.tiered``; k4v2:
+int4 keys with int2 values, since int2 loses by its keys).
 
 Layout per unit (layer, KV head), all units with the same counts (the pool stays rectangular)::
 
@@ -27,7 +28,9 @@ Layout per unit (layer, KV head), all units with the same counts (the pool stays
   confidence (over its slots in every unit) x the step's weight, and demotes every unit's slots of
   the block together (re-encoded at fewer bits, or dropped). Without it a budget that stops
   growing (``kv_budget_tokens``) could only demote the newest tokens once the older ones froze.
-- Sinks, the recent window and a shared prefix stay FULL; demotion is one-way.
+- Sinks, the recent window and a shared prefix stay FULL; demotion is one-way. The window is the
+  chain's own (``TierConfig.precision_window``, 16), shorter than the decision interval the other
+  chains' window must hold: a token leaving it is quantized before the walk may drop it.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _loss(cfg: TierConfig, tier: Tier) -> float:
         return 0.0
     if tier == Tier.DISCARD:
         return 1.0
-    return cfg.precision_loss[(Tier.INT8, Tier.INT4, Tier.INT2).index(tier)]
+    return cfg.precision_loss[list(PRECISION_TIERS.values()).index(tier)]
 
 
 def step_weights(cfg: TierConfig, acct: KVAccounting) -> list[float]:

@@ -206,7 +206,7 @@ class RetentionState:
         cfg = self.cfg
         if cfg.budget_mode == "pressure" and not under_pressure:
             return budget_target(self.acct, length, None, None, 0)
-        protected = min(length, cfg.tiers.sinks + cfg.tiers.window)
+        protected = min(length, cfg.tiers.sinks + cfg.tiers.min_window)
         return budget_target(self.acct, length, cfg.budget, cfg.budget_tokens, protected)
 
     def effective_budget(self, length: int) -> float | None:
@@ -237,7 +237,7 @@ class RetentionState:
         """A decision leaves room for the interval appended before the next one, so the sequence
         never holds more than its budget (down to the floor of sinks + minimal window): the peak
         bytes a request reports and admission reserves are the budget itself, not budget + a chunk."""
-        protected = min(length, self.cfg.tiers.sinks + self.cfg.tiers.window)
+        protected = min(length, self.cfg.tiers.sinks + self.cfg.tiers.min_window)
         return max(target - self.chunk_bytes(), self.acct.held_bytes(protected, protected))
 
     def _schedules(self, under_pressure: bool) -> bool:
@@ -259,7 +259,7 @@ class RetentionState:
         cfg = self.cfg
         if cfg.schedule is None:
             return fixed
-        floor = self.acct.held_bytes(*(2 * [min(length, cfg.tiers.sinks + cfg.tiers.window)]))
+        floor = self.acct.held_bytes(*(2 * [min(length, cfg.tiers.sinks + cfg.tiers.min_window)]))
         return self.schedule.target(cfg.schedule, fixed, floor, reference)
 
     def decide(self, length: int, under_pressure: bool = False) -> Tensor | None:

@@ -37,10 +37,13 @@ class Tier(IntEnum):
     INT8 = 3
     INT4 = 4
     INT2 = 5
+    K4V2 = 6  # keys at int4, values at int2: int2 keys are what this model does not tolerate
 
 
-PRECISION_TIERS = {"int8": Tier.INT8, "int4": Tier.INT4, "int2": Tier.INT2}
-TIER_BITS = {Tier.INT8: 8, Tier.INT4: 4, Tier.INT2: 2}
+# Highest precision first (the order a chain must follow).
+PRECISION_TIERS = {"int8": Tier.INT8, "int4": Tier.INT4, "k4v2": Tier.K4V2, "int2": Tier.INT2}
+# (key bits, value bits) of each precision tier's codec.
+TIER_BITS = {Tier.INT8: (8, 8), Tier.INT4: (4, 4), Tier.K4V2: (4, 2), Tier.INT2: (2, 2)}
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ def chain_from_names(names: list[str] | tuple[str, ...]) -> tuple[bool, tuple[st
 
 
 GRANULARITIES = ("head", "layer", "token")
+FREEZE_ORDERS = ("position", "confidence")
 
 
 def share_confidence(conf: Tensor, granularity: str, heads: int) -> Tensor:
@@ -130,11 +134,11 @@ class TierConfig:
     # Precision tiers between FULL and DISCARD, highest first (e.g. ("int4", "int2")); empty: the
     # FULL / KEY_ONLY / DISCARD chain. See ``precision``.
     precisions: tuple[str, ...] = ()
-    # Relative loss of a token at int8 / int4 / int2 (FULL 0, DISCARD 1): what the budget walk trades
-    # against bytes (``precision.step_weights``); tuned on tokens [6144, 12288) against a bf16 cache:
-    # int2 at 0.3 made int2 cheaper per byte than dropping, so the walk put nearly every token at int2
-    # (+4.9% at f = 0.25 where 0.5-0.9 gave -0.05%; see docs/retention.md).
-    precision_loss: tuple[float, float, float] = (0.002, 0.02, 0.8)
+    # Relative loss of a token at int8 / int4 / k4v2 / int2 (FULL 0, DISCARD 1): what the budget walk
+    # trades against bytes (``precision.step_weights``); tuned on tokens [6144, 12288) against a bf16
+    # cache: int2 at 0.3 made int2 cheaper per byte than dropping, so the walk put nearly every token
+    # at int2 (+4.9% at f = 0.25 where 0.5-0.9 gave -0.05%; see docs/retention.md).
+    precision_loss: tuple[float, float, float, float] = (0.002, 0.02, 0.05, 0.8)
     # Precision chain only: a token leaving the window with confidence below this goes straight to the
     # last precision tier; 0 (default): never, only the budget walk demotes past the first precision
     # tier (thresholds sending low-attention tokens to int2 with room to spare cost +1.8% at f = 0.125).
@@ -142,14 +146,24 @@ class TierConfig:
     # Precision chain only: the recent window's share of the tokens the budget holds (the FULL-only
     # chain's ``window_fraction``); 0: the minimal window, every other token is the walk's to price.
     precision_window_fraction: float = 0.0
+    # Precision chain only: the minimal always-FULL recent window (None: ``window``, the other
+    # chains' minimal one). It may be shorter than a decision interval: a token leaving it early is
+    # quantized, and dropped only where the walk prices that lowest; the recent FULL tokens are a
+    # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/retention.md).
+    precision_window: int | None = 16
     # Value group of the codec (keys: min(group, block_size)); the cache compression's groupSize.
     precision_group: int = 64
+    # Precision chain only: which staged tokens of a tier fill its next frozen blocks, and in what
+    # order: "position" (oldest first) or "confidence" (highest attention signal first, so a frozen
+    # block holds tokens of like confidence and the lowest stay staged, individually droppable).
+    freeze_order: str = "position"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.medium < self.high <= 1.0:
             raise ValueError(f"need 0 <= medium < high <= 1, got medium={self.medium} high={self.high}")
-        if self.sinks < 0 or self.window < 1:
-            raise ValueError(f"sinks must be >= 0 and window >= 1, got {self.sinks}, {self.window}")
+        if self.sinks < 0 or min(self.window, self.min_window) < 1:
+            raise ValueError(f"sinks must be >= 0 and the windows >= 1, got {self.sinks}, {self.window}, "
+                             f"{self.precision_window}")
         if self.key_share is not None and not 0.0 < self.key_share < 1.0:
             raise ValueError(f"key_share must be in (0, 1), got {self.key_share}")
         if self.granularity not in GRANULARITIES:
@@ -158,6 +172,9 @@ class TierConfig:
         for name in ("window_fraction", "precision_window_fraction"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.freeze_order not in FREEZE_ORDERS:
+            choices = ", ".join(FREEZE_ORDERS)
+            raise ValueError(f"freeze_order must be one of {choices}, got {self.freeze_order!r}")
         if not 0.0 <= self.last_tier_below <= self.high:
             raise ValueError(f"need 0 <= last_tier_below <= high, got {self.last_tier_below}")
         self._check_precisions()
@@ -165,14 +182,17 @@ class TierConfig:
     def _check_precisions(self) -> None:
         unknown = [p for p in self.precisions if p not in PRECISION_TIERS]
         if unknown:
-            raise ValueError(f"unknown precision tier {unknown[0]!r}; choose from int8, int4, int2")
-        bits = [TIER_BITS[PRECISION_TIERS[p]] for p in self.precisions]
-        if bits != sorted(set(bits), reverse=True):
+            choices = ", ".join(PRECISION_TIERS)
+            raise ValueError(f"unknown precision tier {unknown[0]!r}; choose from {choices}")
+        order = [list(PRECISION_TIERS).index(p) for p in self.precisions]
+        if order != sorted(set(order)):
             raise ValueError(f"precision tiers must be distinct and highest first, got "
                              f"{list(self.precisions)}")
         loss = self.precision_loss
-        if len(loss) != 3 or not 0.0 < loss[0] < loss[1] < loss[2] < 1.0:
-            raise ValueError(f"precision_loss (int8, int4, int2) must increase within (0, 1), got {loss}")
+        increasing = all(0.0 < a < b < 1.0 for a, b in zip(loss, loss[1:], strict=False))
+        if len(loss) != len(PRECISION_TIERS) or not increasing:
+            raise ValueError(f"precision_loss ({', '.join(PRECISION_TIERS)}) must increase within (0, 1), "
+                             f"got {loss}")
 
     @property
     def uses_key_only(self) -> bool:
@@ -180,11 +200,18 @@ class TierConfig:
         KEY_ONLY token costs half a FULL one, more than int8 keeping its value: docs/retention.md)."""
         return self.key_only and not self.precisions
 
+    @property
+    def min_window(self) -> int:
+        """The minimal always-FULL recent window of this chain."""
+        if self.precisions and self.precision_window is not None:
+            return self.precision_window
+        return self.window
+
     def effective_window(self, budget_tokens: int, block_size: int) -> int:
-        """The always-FULL recent window: the configured one, or a block-aligned share of the budget."""
+        """The always-FULL recent window: the minimal one, or a block-aligned share of the budget."""
         fraction = self.precision_window_fraction if self.precisions else self.window_fraction
         share = int(fraction * budget_tokens) // block_size * block_size
-        return max(self.window, share)
+        return max(self.min_window, share)
 
 
 def is_decision_point(length: int, interval: int) -> bool:
