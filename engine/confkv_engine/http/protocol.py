@@ -55,6 +55,7 @@ MAX_CHOICES = 64  # n / best_of: each choice is a sequence in the batch
 # (health probes time out), where the answer names only the first error anyway. Dict fields check
 # their values the same way in a before-validator (pydantic has no fail-fast for mappings).
 FAIL_FAST = Field(fail_fast=True)
+TierName = Literal["full", "key_only", "int8", "int4", "k4v2", "int2"]
 _BIAS = TypeAdapter(float)
 
 
@@ -111,8 +112,7 @@ class _Request(BaseModel):
     kv_policy: Literal["full", "streaming", "h2o", "conf-kv"] | None = None
     kv_budget: float | None = Field(default=None, gt=0.0, le=1.0)
     # The kept tiers, highest first (confkv.tiers): ["full", "int4", "int2"], ["full", "key_only"]...
-    kv_tiers: Annotated[list[Literal["full", "key_only", "int8", "int4", "k4v2", "int2"]], FAIL_FAST] | None = Field(
-        default=None, max_length=5)
+    kv_tiers: Annotated[list[TierName], FAIL_FAST] | None = Field(default=None, max_length=5)
 
     @model_validator(mode="before")
     @classmethod
