@@ -43,7 +43,7 @@ DEFAULT_CONFIGS = ("schedule:fixed", "layers:uniform", "layers:pyramid:2", "laye
 
 def base_config(f: float | None) -> RetentionConfig:
     """conf-kv with the served defaults (what ``kv_quality.py`` measures), or the full cache."""
-    args = kvq.build_parser().parse_args([])
+    args = kvq.parse_args([])
     return kvq.make_config("conf-kv" if f is not None else "full", f, args)
 
 

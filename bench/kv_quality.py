@@ -329,9 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line with the defaults that depend on other flags resolved (the window)."""
     args = build_parser().parse_args(argv)
     args.window = args.window or SERVED.window or args.interval
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.scenario != "ppl":
         from kv_scenarios import run_scenario
 
