@@ -113,12 +113,13 @@ class Arena:
 
     def slot_reads(self, slots: list[int], device: torch.device) -> SlotReads:
         """Where ``slots`` lie in a layer's bytes: the start of each one that is contiguous there, and
-        byte indices for the few that straddle two hosts that are not neighbours in the pool."""
+        byte indices for the few whose hosts are not neighbours in the pool."""
         starts, apart = [], []
         for i, slot in enumerate(slots):
             v = slot * self.slot_bytes
             first, last = v // self.host_bytes, (v + self.slot_bytes - 1) // self.host_bytes
-            if first == last or self.hosts[last] == self.hosts[first] + 1:
+            spanned = self.hosts[first:last + 1]
+            if spanned == list(range(spanned[0], spanned[0] + len(spanned))):
                 starts.append(self.hosts[first] * self.host_bytes + v % self.host_bytes)
             else:
                 starts.append(0)  # read as a placeholder, then overwritten from ``index``
@@ -132,7 +133,7 @@ class Arena:
 @dataclass(frozen=True)
 class SlotReads:
     """How to read N slots of one arena from a layer's bytes: ``starts`` [N] (the first byte of each
-    slot), and for the slots that straddle two non-adjacent hosts, their rows ``apart`` and their
+    slot), and for the slots that straddle hosts not adjacent in the pool, their rows ``apart`` and their
     byte indices ``index`` (``Arena.byte_index``)."""
 
     starts: Tensor
