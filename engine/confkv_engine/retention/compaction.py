@@ -24,7 +24,7 @@ from confkv_engine.cache.tiered import drop_blocks, freeze_blocks, requantize_bl
 from confkv_engine.retention.precision import chain_of
 from confkv_engine.retention.runtime import RetentionState
 from confkv_engine.retention.scorer import attention_signal
-from confkv_engine.retention.tiers import TIER_BITS, Tier, _rank_desc
+from confkv_engine.retention.tiers import TIER_BITS, Tier, rank_desc
 from confkv_engine.retention.value_merge import merge_values
 
 
@@ -107,12 +107,12 @@ def apply_precision(cache: KVCache, seq: SeqKV, state: RetentionState, new: Tens
     code = torch.where(new == Tier.DISCARD, 99, 90)  # FULL and staged remainders, after the frozen
     bits: list[tuple[int, int]] = []
     by_confidence = state.cfg.tiers.freeze_order == "confidence"
-    signal = attention_signal(state.acc, state.norm)
+    signal = attention_signal(state.acc, state.norm) if by_confidence else None
     key = torch.where(slot < fixed, slot, state.pos)
     for j, tier in enumerate(chain_of(state.cfg.tiers)[1:]):
         staged = (new == tier) & (slot >= fixed)
         whole = _uniform_count(staged) // bs * bs
-        rank = _rank_desc(signal, staged) if by_confidence else _rank_by_position(state.pos, staged)
+        rank = _rank_by_position(state.pos, staged) if signal is None else rank_desc(signal, staged)
         freeze = staged & (rank < whole)
         code = torch.where(freeze, 1 + j, code)
         if by_confidence:  # blocks of like confidence: the walk later drops a block's tokens together

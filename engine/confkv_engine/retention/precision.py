@@ -46,9 +46,9 @@ from confkv_engine.retention.tiers import (
     KVAccounting,
     Tier,
     TierConfig,
-    _rank_desc,
     equal_count,
     protected_mask,
+    rank_desc,
 )
 
 
@@ -102,7 +102,7 @@ def assign_chain(conf: Tensor, tiers: Tensor, eligible: Tensor, counts: list[int
     placed = torch.zeros_like(eligible)
     for j, t in enumerate(kept):
         pool = eligible & ~placed & (cur <= j)
-        pick = pool & (_rank_desc(conf, pool) < counts[j])
+        pick = pool & (rank_desc(conf, pool) < counts[j])
         out[pick] = t
         placed |= pick
     out[eligible & ~placed] = Tier.DISCARD

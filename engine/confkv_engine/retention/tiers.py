@@ -284,7 +284,7 @@ def fit_counts_shared(n_prot: int, n_full: int, n_key: int, target: int, acct: K
     return f, k
 
 
-def _rank_desc(conf: Tensor, eligible: Tensor) -> Tensor:
+def rank_desc(conf: Tensor, eligible: Tensor) -> Tensor:
     """Rank (0 = highest confidence) of each eligible slot within its unit; ineligible get n."""
     n = conf.shape[-1]
     key = torch.where(eligible, conf, torch.full_like(conf, -math.inf))
@@ -298,10 +298,10 @@ def assign_by_rank(conf: Tensor, tiers: Tensor, eligible: Tensor, n_full: int, n
     """Per unit: keep FULL for the ``n_full`` best current-FULL slots, KEY_ONLY for the next ``n_key``
     (best of the rest of FULL and KEY_ONLY), DISCARD for the remaining eligible slots. One-way."""
     out = tiers.clone()
-    full_rank = _rank_desc(conf, eligible & (tiers == Tier.FULL))
+    full_rank = rank_desc(conf, eligible & (tiers == Tier.FULL))
     keep_full = full_rank < n_full
     rest = eligible & ~keep_full & (tiers != Tier.DISCARD)
-    key_rank = _rank_desc(conf, rest)
+    key_rank = rank_desc(conf, rest)
     out[eligible & ~keep_full] = Tier.DISCARD
     out[rest & (key_rank < n_key)] = Tier.KEY_ONLY
     out[keep_full] = Tier.FULL
