@@ -38,6 +38,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from confkv_engine.http.protocol import first_not_of_types
+
 OFF_LOOP_BYTES = 256 * 1024
 _SLICE = 8192  # list items rendered, type-checked or freed per call (well under a millisecond)
 _HELD_IDS = "confkv.held_token_ids"  # scope key: the id lists to free when the request is done
@@ -72,8 +74,7 @@ def render_json(content: dict[str, Any]) -> Response:
 
 
 def _all_of_type(items: list[Any], kind: type) -> bool:
-    # One short C call per slice, so the GIL can pass to the event loop between them.
-    return all(set(map(type, items[i:i + _SLICE])) <= {kind} for i in range(0, len(items), _SLICE))
+    return first_not_of_types(items, {kind}) is None
 
 
 def _stand_in(value: Any) -> Any:
