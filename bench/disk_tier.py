@@ -29,7 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from confkv_engine.cache.disk import DiskStore, admit_reused
+from confkv_engine.cache.disk.store import DiskStore, admit_reused
 
 ROOT = Path(__file__).resolve().parents[1]
 # One K (or V) block of 16 tokens over all layers incl. int32 positions (CacheSpec.block_bytes).

@@ -1,5 +1,5 @@
 """What a live raise of ``maxCacheSize`` costs: ``KVCache.resize`` past the allocated pool
-(``cache.growth``: one reallocation and copy), at SmolLM2-135M's block layout (30 layers, 3 KV heads,
+(``cache.storage.DeviceKV.grow``: one reallocation and copy), at SmolLM2-135M's block layout (30 layers, 3 KV heads,
 head_dim 64, 16-token blocks), with the pool half full of written blocks so the copy is real.
 
     .venv/bin/python bench/pool_grow.py [--device cuda] [--repeats 3]

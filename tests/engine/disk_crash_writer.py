@@ -12,7 +12,7 @@ import hashlib
 import random
 import sys
 
-from confkv_engine.cache.disk import DiskStore
+from confkv_engine.cache.disk.store import DiskStore
 
 CAPACITY = 768 * 1024  # small, so that eviction runs all the time
 CHAIN = 4  # every 4th block starts a new chain

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import confkv_engine
-from confkv_engine.cache.disk import DiskStore
+from confkv_engine.cache.disk.store import DiskStore
 from tests.engine.disk_crash_writer import CAPACITY, block_key, block_parent, block_payload, block_tokens
 
 ROOT = Path(__file__).resolve().parents[2]

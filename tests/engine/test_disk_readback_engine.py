@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from confkv_api.config import ConfKVConfig
-from confkv_engine.cache.disk_files import record_path
+from confkv_engine.cache.disk.files import record_path
 from confkv_engine.cache.prefix import chain_keys
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.outputs import RequestOutput

@@ -12,7 +12,7 @@ import torch
 
 from confkv_engine.attention.paged import PagedAttention
 from confkv_engine.cache.arena import block_codecs
-from confkv_engine.cache.codec import decode_rows, encode_rows
+from confkv_engine.cache.codec.blocks import decode_rows, encode_rows
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
 from confkv_engine.cache.tiered import freeze_blocks, requantize_block, tier_pair_bytes
 from confkv_engine.core.compression import CompressionWorker

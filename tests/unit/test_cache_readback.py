@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from confkv_engine.cache.offload import DiskTier
+from confkv_engine.cache.disk.tier import DiskTier
 from tests.unit.test_prefix_cache import BS, HOT, compute, contents, make_cache, serve
 
 

@@ -16,12 +16,13 @@ is NaN), so a host handed to a sequence as a K or V block would poison its rows.
 (a handle stays valid while referenced), so a fragmented arena keeps its hosts until it empties; the
 lowest free slot is reused first, which keeps the live slots packed at the start of the stream.
 
-**Handles.** A table entry (``SeqKV.k_blocks``, ``CachedBlock.k_block``) is a pool block id (>= 0) or
-a handle (< 0) naming (arena, slot). Handles are counted references like pool blocks: the store
-keeps their counts and frees the slot at zero. Handle numbers are never reused, so a stale handle
-can never alias a newer block. A K handle also remembers the position of its first token: blocks
-compressed by the cache hold consecutive positions, so positions need no storage; blocks of
-retention's precision tiers (``tiered``) hold any positions and keep them with the handle.
+**Handles.** A table entry (``SeqKV.k_blocks``, ``CachedBlock.k_block``) is a pool block id or a
+handle naming (arena, slot); ``block_pool.is_compressed`` tells them apart. Handles are counted
+references like pool blocks: the store keeps their counts and frees the slot at zero. Handle numbers
+are never reused, so a stale handle can never alias a newer block. A K handle also remembers the
+position of its first token: blocks compressed by the cache hold consecutive positions, so
+positions need no storage; blocks of retention's precision tiers (``tiered``) hold any positions
+and keep them with the handle.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.block_pool import BlockPool
-from confkv_engine.cache.codec import decode_rows
-from confkv_engine.cache.codec_spec import CodecSpec
-from confkv_engine.cache.group_quant import Runs
+from confkv_engine.cache.block_pool import BlockPool, is_compressed
+from confkv_engine.cache.codec.blocks import decode_rows
+from confkv_engine.cache.codec.group_quant import Runs
+from confkv_engine.cache.codec.spec import CodecSpec
 from confkv_engine.cache.layout import to_storage
 
 
@@ -46,7 +47,7 @@ def block_codecs(block_size: int, num_kv_heads: int, head_dim: int, bits: int,
     ``element_bytes`` per element.
 
     Keys are grouped per channel along tokens, values per token along head_dim (as
-    ``codec_spec.key_spec`` / ``value_spec``). ``group`` is the value group; a key group cannot span more
+    ``codec.spec.key_spec`` / ``value_spec``). ``group`` is the value group; a key group cannot span more
     than one block's tokens, so keys use ``min(group, block_size)``. Key parameters are fp16 in an
     fp32 pool (0.31x / 0.19x of its block at int8 / int4 already, and the most accurate) and dq6 in a
     16-bit or smaller one, where fp16 parameters would hold 0.63x / 0.38x of a bf16 block.
@@ -258,32 +259,32 @@ class CompressedStore:
 
     # ---- pool blocks and handles alike ------------------------------------------------------
     def ref(self, block: int) -> int:
-        return self.pool.ref_count(block) if block >= 0 else self.ref_count(block)
+        return self.ref_count(block) if is_compressed(block) else self.pool.ref_count(block)
 
     def incref_all(self, blocks: list[int]) -> None:
         for b in blocks:
-            if b >= 0:
-                self.pool.incref([b])
-            else:
+            if is_compressed(b):
                 self.incref(b)
+            else:
+                self.pool.incref([b])
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference per entry; an arena emptied by it gives its hosts back to the pool."""
-        self.pool.free([b for b in blocks if b >= 0])
+        self.pool.free([b for b in blocks if not is_compressed(b)])
         for h in blocks:
-            if h < 0:
+            if is_compressed(h):
                 self.pool.free(self.free(h))
 
     def block_data(self, block: int) -> Tensor:
         """One block over all layers [L, bs, Hkv, D] (decoded when compressed)."""
-        return self.kv[:, block] if block >= 0 else self.decode_block(block)
+        return self.decode_block(block) if is_compressed(block) else self.kv[:, block]
 
     def fill_positions(self, out: Tensor, table: list[int], block_size: int) -> None:
         """Write the positions of a K table's compressed blocks into ``out`` [L, num_slots, Hkv]
         (a compressed K block holds consecutive positions from its first one)."""
         n = out.shape[1]
         for i, b in enumerate(table[: -(-n // block_size)]):
-            if b < 0:
+            if is_compressed(b):
                 first, end = self._handles[b].first_pos or 0, min(block_size, n - i * block_size)
                 stored = self._handles[b].positions
                 if stored is not None:
@@ -326,11 +327,11 @@ class CompressedStore:
 
     def plan(self, table: list[int], null_block: int, device: torch.device) -> GatherPlan:
         """Gather plan of a table; no work beyond one tensor when nothing in it is compressed."""
-        if all(b >= 0 for b in table):
+        if not any(is_compressed(b) for b in table):
             return GatherPlan(torch.tensor(table, dtype=torch.long, device=device), ())
         by_arena: dict[CodecSpec, tuple[list[int], list[int]]] = {}
         for row, b in enumerate(table):
-            if b < 0:
+            if is_compressed(b):
                 h = self._handles[b]
                 rows, slots = by_arena.setdefault(h.arena.spec, ([], []))
                 rows.append(row)
@@ -339,8 +340,8 @@ class CompressedStore:
             DecodeGroup(spec, _longs(rows, device), self.arenas[spec].slot_reads(slots, device),
                         row_runs(rows))
             for spec, (rows, slots) in by_arena.items())
-        pool_rows = [row for row, b in enumerate(table) if b >= 0]
-        return GatherPlan(_longs([b if b >= 0 else null_block for b in table], device), groups,
+        pool_rows = [row for row, b in enumerate(table) if not is_compressed(b)]
+        return GatherPlan(_longs([null_block if is_compressed(b) else b for b in table], device), groups,
                           _longs(pool_rows, device), _longs([table[r] for r in pool_rows], device))
 
     def gather(self, blocks: Tensor, layer: int, plan: GatherPlan,

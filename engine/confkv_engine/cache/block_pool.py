@@ -17,6 +17,12 @@ from collections import deque
 from collections.abc import Iterable
 
 
+def is_compressed(block: int) -> bool:
+    """A table entry's kind: True for a compressed-block handle (``arena``), False for a pool block
+    id (the null block included). Handles are negative; this is the only place that says so."""
+    return block < 0
+
+
 class NoFreeBlocks(RuntimeError):
     """Raised by ``allocate`` when the pool cannot satisfy a request (nothing is allocated then)."""
 

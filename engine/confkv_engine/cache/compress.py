@@ -24,39 +24,18 @@ the codec as before.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
 
 import torch
-from torch import Tensor
 
-from confkv_engine.cache.arena import CompressedStore, block_codecs
-from confkv_engine.cache.block_pool import BlockPool
-from confkv_engine.cache.codec import encode_rows
-from confkv_engine.cache.codec_spec import CodecSpec
-from confkv_engine.cache.eviction import LRUK
-from confkv_engine.cache.layout import CacheSpec, CompressResult, SeqKV
-from confkv_engine.cache.prefix import CachedBlock, PrefixIndex
+from confkv_engine.cache.arena import block_codecs
+from confkv_engine.cache.block_pool import is_compressed
+from confkv_engine.cache.codec.blocks import encode_rows
+from confkv_engine.cache.codec.spec import CodecSpec
+from confkv_engine.cache.layout import CompressResult, SeqKV
+from confkv_engine.cache.owner import BlockOwner as KVCache
+from confkv_engine.cache.prefix import CachedBlock
 
 Holder = tuple[list[int], int]  # (a block table, index in it)
-
-
-class KVCache(Protocol):
-    """The parts of ``kv_cache.KVCache`` compression reads and writes (it is the only implementation)."""
-
-    spec: CacheSpec
-    pool: BlockPool
-    store: CompressedStore
-    kv: Tensor
-    pos: Tensor
-    prefix: PrefixIndex | None
-    eviction: LRUK
-    null_block: int
-    _cold: dict[bytes, float]
-    _evictable_handles: int
-
-    def _clear_positions(self, blocks: list[int]) -> None: ...
-
-    def _allocate(self, n: int) -> list[int]: ...
 
 
 def _specs(cache: KVCache, bits: int, group: int) -> tuple[CodecSpec, CodecSpec]:
@@ -69,10 +48,10 @@ def compress_cold_entries(cache: KVCache, bits: int, group: int, cold_after: flo
                           limit: int, now: float) -> CompressResult:
     specs, used = _specs(cache, bits, group), cache.pool.num_used
     done = 0
-    for key, released in list(cache._cold.items()):
-        if done >= limit or released > now - cold_after:
-            break  # oldest first: the rest were released later
-        del cache._cold[key]
+    while done < limit:
+        key = cache.pop_cold(now - cold_after)  # oldest first: None when the rest came later
+        if key is None:
+            break
         entry = cache.prefix.get(key) if cache.prefix is not None else None
         if entry is None:
             continue
@@ -116,7 +95,7 @@ def compress_block(cache: KVCache, kind: str, block: int, holders: list[Holder],
     """Compress pool block ``block`` (``kind`` "k" or "v"), referenced by ``holders`` and ``entry`` (its
     prefix entry, if any); returns 1 when it was compressed, 0 when it is left as it is."""
     refs = len(holders) + (entry is not None)
-    if block < 0 or block == cache.null_block or refs == 0 or cache.pool.ref_count(block) != refs:
+    if is_compressed(block) or block == cache.null_block or refs == 0 or cache.pool.ref_count(block) != refs:
         return 0
     if spec.nbytes >= cache.store.host_bytes:  # e.g. int8 codes of an fp8 pool: nothing to gain
         return 0
@@ -129,17 +108,15 @@ def compress_block(cache: KVCache, kind: str, block: int, holders: list[Holder],
         rows = encode_rows(cache.kv[:, block], spec)  # a copy: the pool block may be reused below
     except ValueError:
         return 0
-    cache._clear_positions([block])
-    cache.pool.free([block] * refs)
-    handle = cache.store.put(rows, spec, refs, first_pos, lambda: cache._allocate(1)[0])
+    cache.free_blocks([block] * refs)
+    handle = cache.store.put(rows, spec, refs, first_pos, lambda: cache.take_blocks(1)[0])
     for table, i in holders:
         table[i] = handle
     if entry is not None:
         updated = replace(entry, k_block=handle) if kind == "k" else replace(entry, v_block=handle)
         cache.prefix.replace(updated)
         if entry.key in cache.eviction:  # still evictable: now through its compressed copy
-            cache.store.set_idle(handle, 1)
-            cache._evictable_handles += 1
+            cache.count_idle_handle(handle)
     return 1
 
 
@@ -160,7 +137,7 @@ def _result(cache: KVCache, blocks: int, used_before: int) -> CompressResult:
 def promote_entry(cache: KVCache, entry: CachedBlock, spare: int) -> tuple[CachedBlock, int]:
     """Decode ``entry``'s compressed blocks back into at most ``spare`` pool blocks (see the module
     doc); returns the entry as the index now holds it and the pool blocks it took."""
-    handles = [(kind, b) for kind, b in (("k", entry.k_block), ("v", entry.v_block)) if b < 0]
+    handles = [(kind, b) for kind, b in (("k", entry.k_block), ("v", entry.v_block)) if is_compressed(b)]
     if not handles or len(handles) > spare or cache.prefix is None:
         return entry, 0
     if any(cache.store.ref(h) != 1 for _, h in handles):
@@ -168,14 +145,14 @@ def promote_entry(cache: KVCache, entry: CachedBlock, spare: int) -> tuple[Cache
     if any(kind == "k" and cache.store.first_pos(h) is None for kind, h in handles):
         return entry, 0
     blocks = {"k": entry.k_block, "v": entry.v_block}
-    for (kind, handle), block in zip(handles, cache._allocate(len(handles)), strict=True):
-        cache.kv[:, block] = cache.store.decode_block(handle)
+    for (kind, handle), block in zip(handles, cache.take_blocks(len(handles)), strict=True):
+        cache.storage.set_block(block, cache.store.decode_block(handle))
         if kind == "k":
             bs, first = cache.spec.block_size, cache.store.first_pos(handle)
             cache.pos[:, block * bs:(block + 1) * bs] = torch.arange(
                 first, first + bs, dtype=cache.pos.dtype, device=cache.pos.device)[None, :, None]
         blocks[kind] = block
-    cache.store.release([h for _, h in handles])
+    cache.free_blocks([h for _, h in handles])
     promoted = replace(entry, k_block=blocks["k"], v_block=blocks["v"])
     cache.prefix.replace(promoted)
     return promoted, len(handles)

@@ -26,26 +26,34 @@ Layout:
   a sequence only ever writes slots past them, and ``rewrite`` refuses to touch them. Unreferenced
   cached blocks stay in the pool, evictable in LRU-K order, and are reclaimed only when the free
   list runs short.
-- **Compressed blocks** (``arena``): a table entry or prefix entry may be a negative handle naming a
-  quantized copy kept inside pool memory. Every reference-count operation dispatches on the kind;
+- **Compressed blocks** (``arena``): a table entry or prefix entry may be a handle naming a
+  quantized copy kept inside pool memory (``block_pool.is_compressed`` tells the kinds apart, the
+  only place that knows how). Every reference-count operation dispatches on the kind;
   readers gather through ``gather_plan`` / ``gather``, which decode compressed rows. Only blocks
   whose every holder is known are compressed (all their table entries change at once), and only
   full blocks of consecutive positions, so a compressed K block needs no position metadata.
+
+**One owner per block.** Block ids, reference counts, the free queue, the prefix index and the
+evictable set change only here. Every reference that goes, goes through ``free_blocks`` (as vLLM's
+``BlockPool.free_blocks``); blocks come only from ``take_blocks``, which evicts cached blocks in
+LRU-K order when the free queue runs short. The helpers that rewrite tables (``compress``,
+``tiered``, ``rewrite``) see the cache through ``owner.BlockOwner``, a small named interface of
+public methods. The device tensors live apart, in ``storage.DeviceKV``.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from confkv_engine.cache.arena import CompressedStore, GatherPlan
-from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
+from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks, is_compressed
 from confkv_engine.cache.compress import compress_cold_entries, compress_seq_blocks, promote_entry
 from confkv_engine.cache.eviction import LRUK
-from confkv_engine.cache.growth import grow_pool
 from confkv_engine.cache.layout import (
     CPU_AVAILABLE_CAP,
     DEFAULT_CPU_CACHE_BYTES,
@@ -53,16 +61,15 @@ from confkv_engine.cache.layout import (
     CompressResult,
     SeqKV,
     WritePlan,
-    int8_rows,
     resolve_cache_bytes,
-    to_storage,
 )
 from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
-from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad, chain_links
+from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad, PrefixHit, chain_links
 from confkv_engine.cache.rewrite import rewrite_seq
+from confkv_engine.cache.storage import DeviceKV
 
 __all__ = ["CPU_AVAILABLE_CAP", "DEFAULT_CPU_CACHE_BYTES", "CacheSpec", "CompressResult", "EvictionSink",
-           "KVCache", "SeqKV", "WritePlan", "resolve_cache_bytes"]
+           "KVCache", "PrefixHit", "SeqKV", "WritePlan", "resolve_cache_bytes"]
 
 
 class EvictionSink(Protocol):
@@ -78,9 +85,10 @@ class EvictionSink(Protocol):
 
 class KVCache:
     def __init__(self, spec: CacheSpec, num_blocks: int, prefix_salt: bytes | None = None,
-                 eviction_k: int = 2) -> None:
+                 eviction_k: int = 2, sink: EvictionSink | None = None) -> None:
         """``prefix_salt``: None turns the prefix cache off; else it names what changes stored K/V
-        besides the tokens (model, dtype), so two models never share an entry."""
+        besides the tokens (model, dtype), so two models never share an entry. ``sink``: where
+        evicted prefix blocks go (the disk tier), None for none."""
         self.spec = spec
         self.pool = BlockPool(num_blocks)
         # The stored bytes depend on the storage dtype and, when it differs, on the dtype K/V were
@@ -92,17 +100,9 @@ class KVCache:
         self.eviction = LRUK(eviction_k)
         self.hits = HitCounter()
         self._clock = 0  # one tick per prefix lookup that admits a request
-        self.sink: EvictionSink | None = None  # where evicted prefix blocks go (the disk tier)
+        self.sink = sink
         self.retired: list[int] = []  # taken out of use by a live lower size (never handed out)
-        bs, h, d = spec.block_size, spec.num_kv_heads, spec.head_dim
-        self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
-        # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
-        self.kv_flat = self.kv.view(spec.num_layers, num_blocks * bs, h, d)
-        self.pos = torch.full((spec.num_layers, num_blocks * bs, h), -1, dtype=torch.int32,
-                              device=spec.device)
-        # An int8 pool's fp16 scale of every (layer, slot, KV head); None for float pools.
-        self.scale = (torch.ones((spec.num_layers, num_blocks * bs, h), dtype=torch.float16,
-                                 device=spec.device) if spec.dtype == torch.int8 else None)
+        self.storage = DeviceKV(spec, num_blocks)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
         self.store = CompressedStore(self.kv, self.pool)
@@ -111,20 +111,44 @@ class KVCache:
 
     @classmethod
     def from_budget(cls, spec: CacheSpec, budget_bytes: int, prefix_salt: bytes | None = None,
-                    eviction_k: int = 2) -> KVCache:
+                    eviction_k: int = 2, sink: EvictionSink | None = None) -> KVCache:
         num_blocks = budget_bytes // spec.block_bytes
         if num_blocks < 3:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes holds {num_blocks} blocks of "
                 f"{spec.block_bytes} bytes; at least 3 are needed (raise maxCacheSize)")
-        return cls(spec, int(num_blocks), prefix_salt, eviction_k)
+        return cls(spec, int(num_blocks), prefix_salt, eviction_k, sink)
 
-    # ---- capacity --------------------------------------------------------------------------
+    # ---- the device tensors (``storage.DeviceKV``; growth swaps them, so they are read through) ----
+    @property
+    def kv(self) -> Tensor:
+        """The pool ``[L, num_blocks, bs, Hkv, D]`` in the cache dtype."""
+        return self.storage.kv
+
+    @property
+    def kv_flat(self) -> Tensor:
+        return self.storage.kv_flat
+
+    @property
+    def pos(self) -> Tensor:
+        """Absolute position of every (layer, flat slot, KV head), int32, -1 = empty."""
+        return self.storage.pos
+
+    @property
+    def scale(self) -> Tensor | None:
+        """An int8 pool's fp16 scales per (layer, flat slot, KV head); None for float pools."""
+        return self.storage.scale
+
     @property
     def kv_moved(self) -> Tensor:
-        """``kv_flat`` as retention's rewrite moves it: float8 lacks indexing kernels on some
-        devices, so a one-byte pool moves its bytes (the same values)."""
-        return self.kv_flat.view(torch.uint8) if self.kv_flat.element_size() == 1 else self.kv_flat
+        return self.storage.kv_moved
+
+    @property
+    def prefix_enabled(self) -> bool:
+        """True when the prefix cache is on (a ``prefix_salt`` was given)."""
+        return self.prefix is not None
+
+    # ---- capacity --------------------------------------------------------------------------
 
     @property
     def num_blocks(self) -> int:
@@ -171,24 +195,26 @@ class KVCache:
 
     def resize(self, num_blocks: int, memory_limit: int | None = None) -> int:
         """Live size change to ``num_blocks`` usable blocks. Lowering evicts cached blocks first and
-        retires free ones; raising gives retired blocks back, then grows the pool (``growth``: ids,
-        tables, prefix entries and arenas stay valid; the new ids join the free queue before the
-        retired ones) within ``memory_limit`` bytes (None: what the machine can give a pool now).
-        Raises ValueError,
-        changing nothing, when running requests hold more or the machine cannot hold the pool.
-        Returns the usable blocks now. Call it between two steps (the engine holds its lock)."""
+        retires free ones; raising gives retired blocks back, then grows the pool
+        (``storage.DeviceKV.grow``: ids, tables, prefix entries and arenas stay valid; the new ids
+        join the free queue before the retired ones) within ``memory_limit`` bytes (None: what the
+        machine can give a pool now). Raises ValueError, changing nothing, when running requests
+        hold more or the machine cannot hold the pool. Returns the usable blocks now. Call it
+        between two steps (the engine holds its lock)."""
         held = self.num_blocks - self.num_free  # blocks running requests hold
         if num_blocks < max(held, 2):
             raise ValueError(f"running requests hold {held * self.spec.block_bytes} bytes "
                              f"({held} blocks), more than the new size allows ({num_blocks} blocks)")
-        if num_blocks > self.pool.num_blocks - 1:
-            grow_pool(self, num_blocks + 1, memory_limit)  # then the retired blocks come back
+        if num_blocks > self.pool.num_blocks - 1:  # then the retired blocks come back
+            self.storage.grow(num_blocks + 1, memory_limit)
+            self.store.rebind(self.kv)
+            self.pool.grow(num_blocks + 1)
         while self.num_blocks > num_blocks:
-            self.retired.extend(self._allocate(1))
+            self.retired.extend(self.take_blocks(1))
         if self.num_blocks < num_blocks:
             give = num_blocks - self.num_blocks
             back, self.retired = self.retired[:give], self.retired[give:]
-            self.pool.free(back)
+            self.free_blocks(back)
         return self.num_blocks
 
     def can_allocate(self, n: int) -> bool:
@@ -202,8 +228,8 @@ class KVCache:
         """Bytes a sequence holds in the pool (K and V blocks, position metadata included; a
         compressed block counts its encoded bytes)."""
         blocks = [b for b in seq.k_blocks + seq.v_blocks if b != self.null_block]
-        return (sum(1 for b in blocks if b >= 0) * self.spec.block_bytes
-                + sum(self.store.nbytes(b) for b in blocks if b < 0))
+        return (sum(1 for b in blocks if not is_compressed(b)) * self.spec.block_bytes
+                + sum(self.store.nbytes(b) for b in blocks if is_compressed(b)))
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a full (unevicted) cache of ``num_tokens`` needs: K and V tables."""
@@ -219,17 +245,15 @@ class KVCache:
         """Allocate the blocks for ``num_new`` more slots (raises NoFreeBlocks, allocating nothing)."""
         per_table = -(-(seq.num_slots + num_new) // self.spec.block_size)
         need_k, need_v = max(0, per_table - len(seq.k_blocks)), max(0, per_table - len(seq.v_blocks))
-        blocks = self._allocate(need_k + need_v)
+        blocks = self.take_blocks(need_k + need_v)
         seq.k_blocks.extend(blocks[:need_k])
         seq.v_blocks.extend(blocks[need_k:])
 
     def free(self, seq: SeqKV) -> None:
         """Drop the sequence's references (K table first, then V) and reset it. Its blocks the prefix
         index holds stay cached and become evictable, the chain's tail first."""
-        private = [b for b in seq.k_blocks if self.store.ref(b) == 1]
-        self._clear_positions(private)
-        self.store.release(seq.k_blocks)
-        self.store.release([b for b in seq.v_blocks if b != self.null_block])
+        self.free_blocks(seq.k_blocks)
+        self.free_blocks([b for b in seq.v_blocks if b != self.null_block])
         for i in reversed(range(len(seq.block_keys))):
             entry = self.prefix.get(seq.block_keys[i]) if self.prefix is not None else None
             mine = entry is not None and entry.k_block == seq.k_blocks[i]
@@ -237,8 +261,10 @@ class KVCache:
                 self._mark_evictable(entry)
         seq.k_blocks, seq.v_blocks, seq.num_slots, seq.block_keys = [], [], 0, []
 
-    def _allocate(self, n: int) -> list[int]:
-        """``n`` blocks from the free list, evicting cached blocks (LRU-K order) when it runs short."""
+    # ---- the one way blocks come and go (``owner.BlockOwner``) --------------------------------
+    def take_blocks(self, n: int) -> list[int]:
+        """``n`` blocks from the free list, evicting cached blocks (LRU-K order) when it runs short
+        (raises NoFreeBlocks, taking nothing, when even that cannot give ``n``)."""
         if n > self.num_free:
             raise NoFreeBlocks(f"need {n} blocks, {self.num_free} free or evictable of {self.num_blocks}")
         while self.pool.num_free < n:
@@ -254,9 +280,30 @@ class KVCache:
         self._cold.pop(key, None)
         if self.sink is not None:  # the disk tier decides whether the block deserves the disk
             self.sink.spill(entry, self.entry_payload(entry), self.eviction.uses(key))
-        self._clear_positions([entry.k_block])
-        self.store.release([entry.k_block, entry.v_block])
+        self.free_blocks([entry.k_block, entry.v_block])
         self.eviction.forget(key)
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        """Drop one reference per entry of ``blocks`` (pool blocks and compressed handles alike, never
+        the null block), in order. A pool block whose last reference goes has its slots marked empty;
+        an arena a handle empties gives its hosts back to the pool (``CompressedStore.release``)."""
+        drops = Counter(b for b in blocks if not is_compressed(b))
+        self.storage.clear_positions([b for b, n in drops.items() if self.pool.ref_count(b) <= n])
+        self.store.release(blocks)
+
+    def pop_cold(self, released_before: float) -> bytes | None:
+        """Take the key of the evictable prefix entry released longest ago, if that was before
+        ``released_before`` (``time.monotonic``) and it still has a pool block; else None."""
+        key = next(iter(self._cold), None)
+        if key is None or self._cold[key] > released_before:
+            return None
+        del self._cold[key]
+        return key
+
+    def count_idle_handle(self, handle: int) -> None:
+        """A compressed block of an evictable prefix entry: reclaimable with the entry."""
+        self.store.set_idle(handle, 1)
+        self._evictable_handles += 1
 
     # ---- prefix cache ------------------------------------------------------------------------
     def match(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
@@ -265,6 +312,14 @@ class KVCache:
         if self.prefix is None or max_blocks <= 0:
             return []
         return self.prefix.match(tokens, self.spec.block_size, max_blocks)
+
+    def lookup(self, tokens: list[int], max_blocks: int, read_disk: bool = True) -> PrefixHit:
+        """Admission's one question: the cached blocks covering the longest prefix of ``tokens`` (at
+        most ``max_blocks``), the blocks sharing them takes out of the evictable set, and (when
+        ``read_disk``) the disk read started for what continues them (see ``readback``)."""
+        blocks = self.match(tokens, max_blocks)
+        load = self.request_load(tokens, blocks, max_blocks) if read_disk else None
+        return PrefixHit(blocks, len(blocks) * self.spec.block_size, self.evictable_among(blocks), load)
 
     def request_load(self, tokens: list[int], found: list[CachedBlock], max_blocks: int) -> ChainLoad | None:
         """Ask the disk tier to read back the blocks continuing ``found`` (a ``match``) over ``tokens``,
@@ -294,7 +349,7 @@ class KVCache:
     def evictable_among(self, entries: list[CachedBlock]) -> int:
         """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
         evictable = [e for e in entries if e.key in self.eviction]
-        handles = [b for e in evictable for b in (e.k_block, e.v_block) if b < 0]
+        handles = [b for e in evictable for b in (e.k_block, e.v_block) if is_compressed(b)]
         return sum(2 - _handles(e) for e in evictable) + self.store.hosts_pinned_by(handles)
 
     def attach(self, seq: SeqKV, entries: list[CachedBlock], queried_tokens: int, spare: int = 0) -> int:
@@ -346,26 +401,18 @@ class KVCache:
         pair = [self.store.block_data(b).contiguous().view(torch.uint8) for b in blocks]
         payload = torch.stack(pair).cpu().numpy().tobytes()
         if self.scale is not None:  # then the blocks' scales, [L, bs, Hkv] fp16 each
-            payload += b"".join(self._block_scales(b).cpu().numpy().tobytes() for b in blocks)
+            payload += b"".join(self.storage.block_scales(b).cpu().numpy().tobytes() for b in blocks)
         return payload
-
-    def _block_scales(self, block: int) -> Tensor:
-        bs = self.spec.block_size
-        return self.scale[:, block * bs:(block + 1) * bs].contiguous()
 
     def _insert_pair(self, link: ChainLink, load: ChainLoad) -> bool:
         """One loaded block pair as an evictable entry; False when it was not loaded or no block is free."""
         pair = load.pairs.get(link.key)
         if pair is None or self.prefix is None or not self.can_allocate(2):
             return False
-        k_block, v_block = self._allocate(2)
+        k_block, v_block = self.take_blocks(2)
         data, scales = pair
-        self.kv[:, k_block] = data[0].to(self.kv.device)
-        self.kv[:, v_block] = data[1].to(self.kv.device)
-        if self.scale is not None and scales is not None:
-            bs = self.spec.block_size
-            for i, b in enumerate((k_block, v_block)):
-                self.scale[:, b * bs:(b + 1) * bs] = scales[i].to(self.kv.device)
+        for i, b in enumerate((k_block, v_block)):
+            self.storage.set_block(b, data[i], None if scales is None else scales[i])
         entry = CachedBlock(link.key, link.parent, link.tokens, k_block, v_block)
         self.prefix.insert(entry)
         self.eviction.touch(link.key, self._clock, link.parent)
@@ -400,14 +447,6 @@ class KVCache:
         """Live LRU-K change: cached blocks and their history stay."""
         self.eviction.set_k(k)
 
-    def _clear_positions(self, blocks: list[int]) -> None:
-        blocks = [b for b in blocks if b >= 0]  # compressed blocks keep no positions
-        if blocks:
-            bs = self.spec.block_size
-            idx = (torch.tensor(blocks, device=self.pos.device)[:, None] * bs
-                   + torch.arange(bs, device=self.pos.device)).view(-1)
-            self.pos.index_fill_(1, idx, -1)
-
     def _mark_evictable(self, entry: CachedBlock) -> None:
         self.eviction.release(entry.key)
         self._set_idle(entry, 1)
@@ -417,7 +456,7 @@ class KVCache:
     def _set_idle(self, entry: CachedBlock, delta: int) -> None:
         """An entry became evictable (+1) or stopped being so (-1): count its compressed blocks."""
         for b in (entry.k_block, entry.v_block):
-            if b < 0:
+            if is_compressed(b):
                 self.store.set_idle(b, delta)
                 self._evictable_handles += delta
 
@@ -436,8 +475,8 @@ class KVCache:
         if all(n == 1 for n in num_new):  # decode: one slot per sequence, nothing per token to vectorise
             k_one = [s.k_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
             v_one = [s.v_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
-            return self._record(WritePlan(torch.tensor(k_one, device=dev), torch.tensor(v_one, device=dev)),
-                                positions)
+            return self.storage.record(WritePlan(torch.tensor(k_one, device=dev),
+                                                 torch.tensor(v_one, device=dev)), positions)
         k_rows: list[int] = []
         v_rows: list[int] = []
         first: list[int] = []  # per sequence: where its entries start in k_rows
@@ -455,27 +494,12 @@ class KVCache:
         block, offset = rel // bs, rel % bs
         plan = WritePlan((torch.tensor(k_rows, dtype=torch.long)[block] * bs + offset).to(dev),
                          (torch.tensor(v_rows, dtype=torch.long)[block] * bs + offset).to(dev))
-        return self._record(plan, positions)
-
-    def _record(self, plan: WritePlan, positions: Tensor) -> WritePlan:
-        self.pos[:, plan.k_index, :] = positions.to(self.kv.device, torch.int32)[None, :, None]
-        return plan
+        return self.storage.record(plan, positions)
 
     def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor) -> None:
         """Store a step's new keys and values [T, Hkv, D] (compute dtype) in layer ``layer``'s slots,
         cast to the pool's dtype."""
-        flat = self.kv_flat[layer]
-        if self.scale is not None:  # int8: each (token, head) row with its own scale
-            for index, x in ((plan.k_index, k), (plan.v_index, v)):
-                codes, scales = int8_rows(x)
-                flat.index_copy_(0, index, codes)
-                self.scale[layer].index_copy_(0, index, scales)
-            return
-        k, v = to_storage(k, flat.dtype), to_storage(v, flat.dtype)
-        if flat.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
-            flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-        flat.index_copy_(0, plan.k_index, k)
-        flat.index_copy_(0, plan.v_index, v)
+        self.storage.write(layer, plan, k, v)
 
     def commit(self, seq: SeqKV, num_new: int) -> None:
         """Record that ``num_new`` tokens were appended (after the forward pass succeeded)."""
@@ -485,7 +509,7 @@ class KVCache:
         """Absolute positions in the sequence's K slots: [L, Hkv, num_slots] int32 (-1 = empty)."""
         bs, n = self.spec.block_size, seq.num_slots
         slots = torch.arange(n, device=self.pos.device)
-        idx = self.slot_index([self.null_block if b < 0 else b for b in seq.k_blocks], slots)
+        idx = self.slot_index([self.null_block if is_compressed(b) else b for b in seq.k_blocks], slots)
         out = self.pos[:, idx, :]
         self.store.fill_positions(out, seq.k_blocks, bs)
         return out.permute(0, 2, 1)
@@ -524,4 +548,4 @@ class KVCache:
 
 def _handles(entry: CachedBlock) -> int:
     """How many of a prefix entry's two blocks are compressed."""
-    return (entry.k_block < 0) + (entry.v_block < 0)
+    return is_compressed(entry.k_block) + is_compressed(entry.v_block)

@@ -180,7 +180,7 @@ def _cgroup_headroom() -> int | None:
 class SeqKV:
     """One sequence's view of the pool (its tables are written by ``KVCache`` only)."""
 
-    # Entries are pool block ids (>= 0) or compressed-block handles (< 0, see ``arena``).
+    # Entries are pool block ids or compressed-block handles (``block_pool.is_compressed``).
     k_blocks: list[int] = field(default_factory=list)
     v_blocks: list[int] = field(default_factory=list)
     num_slots: int = 0  # slots used, the same in every (layer, KV head)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.prefix import block_key
+from confkv_engine.cache.prefix import CachedBlock, block_key
 
 MAX_LOAD_BLOCKS = 64  # blocks read back for one admission (a 1,024-token prefix at block size 16)
 
@@ -67,6 +67,19 @@ class ChainLoad:
         if self.scale_shape is None:
             return pair, None
         return pair, raw[data:].view(torch.float16).view(self.scale_shape)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What admission learns from one ``KVCache.lookup`` (as vLLM's ``KVCacheBlocks``): the cached
+    blocks to share, the tokens they cover, the blocks sharing them takes out of the evictable set
+    (so admission counts them against the pool), and the disk read started for what continues them
+    (None: nothing to read; then the request is admitted with ``blocks`` now)."""
+
+    blocks: list[CachedBlock]
+    tokens: int
+    reclaimable_taken: int
+    load: ChainLoad | None = None
 
 
 def chain_links(tokens: list[int], start: int, stop: int, parent: bytes | None, salt: bytes, block_size: int,

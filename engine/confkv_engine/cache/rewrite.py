@@ -7,43 +7,19 @@ source and destination may overlap. Blocks shared with another holder (a prefix)
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.arena import CompressedStore
-from confkv_engine.cache.layout import CacheSpec, SeqKV
-
-
-class KVCache(Protocol):
-    """The parts of ``kv_cache.KVCache`` a rewrite reads and writes (it is the only implementation)."""
-
-    spec: CacheSpec
-    store: CompressedStore
-    kv: Tensor
-    kv_flat: Tensor
-    scale: Tensor | None  # an int8 pool's per-(layer, slot, head) scales
-    pos: Tensor
-    null_block: int
-
-    @property
-    def kv_moved(self) -> Tensor: ...
-
-    def slot_index(self, blocks: list[int], slots: Tensor) -> Tensor: ...
-
-    def held_blocks(self, seq: SeqKV) -> int: ...
-
-    def _clear_positions(self, blocks: list[int]) -> None: ...
-
-    def _allocate(self, n: int) -> list[int]: ...
+from confkv_engine.cache.block_pool import is_compressed
+from confkv_engine.cache.layout import SeqKV
+from confkv_engine.cache.owner import BlockOwner as KVCache
 
 
 def rewrite_seq(cache: KVCache, seq: SeqKV, order: Tensor, n_key: int, base: int) -> int:
     """``KVCache.rewrite`` (its docstring says what is kept)."""
     spec, dev, bs = cache.spec, cache.kv.device, cache.spec.block_size
     n_new = order.shape[-1]
-    if base % bs or any(cache.store.ref(b) > 1 or b < 0 for b in seq.k_blocks[base // bs:]):
+    if base % bs or any(cache.store.ref(b) > 1 or is_compressed(b) for b in seq.k_blocks[base // bs:]):
         raise ValueError("retention may rewrite only a sequence's private blocks after its prefix")
     src = order[..., base:].to(dev)
     layer = torch.arange(spec.num_layers, device=dev)[:, None, None]
@@ -58,8 +34,7 @@ def rewrite_seq(cache: KVCache, seq: SeqKV, order: Tensor, n_key: int, base: int
     nb = -(-n_new // bs)
     tail_k, tail_v = seq.k_blocks[nb:], seq.v_blocks[nb:]
     del seq.k_blocks[nb:], seq.v_blocks[nb:]
-    cache._clear_positions(tail_k)
-    cache.store.release(tail_k + [b for b in tail_v if b != cache.null_block])
+    cache.free_blocks(tail_k + [b for b in tail_v if b != cache.null_block])
     _set_null_entries(cache, seq, base // bs, (base + n_key) // bs)
 
     dst = torch.arange(base, n_new, device=dev).expand_as(src)
@@ -81,7 +56,7 @@ def _set_null_entries(cache: KVCache, seq: SeqKV, start: int, hole: int) -> None
         block = seq.v_blocks[i]
         is_null = block == cache.null_block
         if i < hole and not is_null:
-            cache.store.release([block])
+            cache.free_blocks([block])
             seq.v_blocks[i] = cache.null_block
         elif i >= hole and is_null:
-            seq.v_blocks[i] = cache._allocate(1)[0]
+            seq.v_blocks[i] = cache.take_blocks(1)[0]

@@ -16,30 +16,11 @@ recompresses or demotes what it shares.
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from torch import Tensor
-
-from confkv_engine.cache.arena import CompressedStore, block_codecs
-from confkv_engine.cache.block_pool import BlockPool
-from confkv_engine.cache.codec import CodecSpec, encode_rows
+from confkv_engine.cache.arena import block_codecs
+from confkv_engine.cache.block_pool import is_compressed
+from confkv_engine.cache.codec.blocks import CodecSpec, encode_rows
 from confkv_engine.cache.layout import CacheSpec, SeqKV
-
-
-class TieredCache(Protocol):
-    """The parts of ``kv_cache.KVCache`` used here (it is the only implementation)."""
-
-    spec: CacheSpec
-    pool: BlockPool
-    store: CompressedStore
-    kv: Tensor
-    pos: Tensor
-    null_block: int
-
-    def _clear_positions(self, blocks: list[int]) -> None: ...
-
-    def _allocate(self, n: int) -> list[int]: ...
-
+from confkv_engine.cache.owner import BlockOwner as TieredCache
 
 # (key bits, value bits) of a tier block: the two halves may differ (int4 keys with int2 values).
 TierBits = tuple[int, int]
@@ -76,7 +57,7 @@ def freeze_blocks(cache: TieredCache, seq: SeqKV, start: int, bits: list[TierBit
     for i, b in enumerate(bits):
         k_block, v_block = seq.k_blocks[start + i], seq.v_blocks[start + i]
         _private(cache, [k_block, v_block])
-        if k_block < 0 or v_block < 0:
+        if is_compressed(k_block) or is_compressed(v_block):
             raise ValueError("freeze_blocks takes pool blocks, not compressed ones")
         k_spec, v_spec = tier_codecs(cache.spec, b, group)
         try:  # copies: both pool blocks are freed before the arenas ask for a host
@@ -85,11 +66,10 @@ def freeze_blocks(cache: TieredCache, seq: SeqKV, start: int, bits: list[TierBit
         except ValueError:
             return i
         positions = cache.pos[:, k_block * bs:(k_block + 1) * bs, :].clone()
-        cache._clear_positions([k_block])
-        cache.pool.free([k_block, v_block])
-        seq.k_blocks[start + i] = cache.store.put(k_rows, k_spec, 1, None, lambda: cache._allocate(1)[0],
+        cache.free_blocks([k_block, v_block])
+        seq.k_blocks[start + i] = cache.store.put(k_rows, k_spec, 1, None, lambda: cache.take_blocks(1)[0],
                                                   positions)
-        seq.v_blocks[start + i] = cache.store.put(v_rows, v_spec, 1, None, lambda: cache._allocate(1)[0])
+        seq.v_blocks[start + i] = cache.store.put(v_rows, v_spec, 1, None, lambda: cache.take_blocks(1)[0])
     return len(bits)
 
 
@@ -100,14 +80,14 @@ def requantize_block(cache: TieredCache, seq: SeqKV, index: int, bits: TierBits,
     specs = tier_codecs(cache.spec, bits, group)
     for table, spec in ((seq.k_blocks, specs[0]), (seq.v_blocks, specs[1])):
         handle = table[index]
-        if handle >= 0:
+        if not is_compressed(handle):
             raise ValueError("requantize_block takes compressed blocks")
         if cache.store.spec(handle) == spec:
             continue
         rows = encode_rows(cache.store.decode_block(handle), spec)
         positions = cache.store.positions(handle)
-        cache.store.release([handle])
-        table[index] = cache.store.put(rows, spec, 1, None, lambda: cache._allocate(1)[0], positions)
+        cache.free_blocks([handle])
+        table[index] = cache.store.put(rows, spec, 1, None, lambda: cache.take_blocks(1)[0], positions)
 
 
 def drop_blocks(cache: TieredCache, seq: SeqKV, indices: list[int]) -> None:
@@ -116,7 +96,6 @@ def drop_blocks(cache: TieredCache, seq: SeqKV, indices: list[int]) -> None:
     for i in sorted(set(indices), reverse=True):
         pair = [seq.k_blocks[i], seq.v_blocks[i]]
         _private(cache, pair)
-        cache._clear_positions([b for b in pair if b >= 0])
-        cache.store.release(pair)
+        cache.free_blocks(pair)
         del seq.k_blocks[i], seq.v_blocks[i]
     seq.num_slots -= cache.spec.block_size * len(set(indices))

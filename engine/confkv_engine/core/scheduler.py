@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from confkv_engine.cache.kv_cache import KVCache
-from confkv_engine.cache.prefix import CachedBlock
-from confkv_engine.cache.readback import ChainLoad
+from confkv_engine.cache.readback import ChainLoad, PrefixHit
 from confkv_engine.core.sequence import SeqStatus, Sequence
 
 
@@ -80,6 +79,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    def set_max_batch_size(self, n: int) -> None:
+        """Live change: applies from the next ``schedule``; running sequences over it finish."""
+        self.max_batch_size = n
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -162,25 +165,25 @@ class Scheduler:
             if victim is seq:
                 return False
 
-    def _prefix_hits(self, seq: Sequence) -> list[CachedBlock] | None:
+    def _prefix_hits(self, seq: Sequence) -> PrefixHit | None:
         """The cached blocks a waiting sequence may share; None while the disk tier reads more of
         them back (asked here, once per admission). Never its last token (its logits are needed),
         never for prompt logprobs (every prompt row is computed; documented in the README), and a
         retained sequence's replay never shares more than it did at first admission (its
         protected prefix, so its decisions replay exactly)."""
-        if self.cache.prefix is None or seq.wants_prompt_logprobs:
-            return []
+        if not self.cache.prefix_enabled or seq.wants_prompt_logprobs:
+            return PrefixHit([], 0, 0)
         limit = (seq.num_tokens - 1) // self.cache.spec.block_size
         if seq.retention is not None and seq.admitted:
             limit = min(limit, seq.prefix_len // self.cache.spec.block_size)
         tokens = seq.token_slice(0, seq.num_tokens)
-        hits = self.cache.match(tokens, limit)
+        hit = self.cache.lookup(tokens, limit, read_disk=not seq.disk_asked)
         if not seq.disk_asked:
             seq.disk_asked = True
-            seq.disk_load = self.cache.request_load(tokens, hits, limit)
+            seq.disk_load = hit.load
             if seq.disk_load is not None:
                 return None
-        return hits
+        return hit
 
     def _loading(self, seq: Sequence) -> bool:
         """True while the sequence's read-back is in flight; once it ended, its blocks are installed."""
@@ -200,7 +203,7 @@ class Scheduler:
         """True when a running request is still prefilling full blocks of this one's prompt beyond
         the ``cached`` tokens: admitting it after that request's step lets it share those blocks
         (the choices of an ``n`` > 1 request, requests with one system prompt arriving together)."""
-        if self.cache.prefix is None or seq.wants_prompt_logprobs:
+        if not self.cache.prefix_enabled or seq.wants_prompt_logprobs:
             return False
         bs, mine = self.cache.spec.block_size, seq.prompt_token_ids
         limit = (len(mine) - 1) // bs * bs
@@ -222,24 +225,24 @@ class Scheduler:
         bs, i = self.cache.spec.block_size, 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[i]
-            hits = None if self._loading(seq) else self._prefix_hits(seq)
-            if hits is None:  # its blocks are on their way from disk: the next ones go first
+            hit = None if self._loading(seq) else self._prefix_hits(seq)
+            if hit is None:  # its blocks are on their way from disk: the next ones go first
                 i += 1
                 continue
-            if self._sharing_soon(seq, len(hits) * bs):
+            if self._sharing_soon(seq, hit.tokens):
                 break  # next step its prefix is cached: share it instead of computing it again
-            start = len(hits) * bs
+            start = hit.tokens
             n = self.chunk_size(seq, budget, start)
-            need = 2 * (-(-(start + n) // bs) - len(hits))
+            need = 2 * (-(-(start + n) // bs) - len(hit.blocks))
             reserved = self._headroom(seq)
-            taken = self.cache.evictable_among(hits)  # shared now, so no longer reclaimable
-            wanted = promised + max(need, reserved or 0) + taken
+            # Shared now, the hit's evictable blocks are no longer reclaimable.
+            wanted = promised + max(need, reserved or 0) + hit.reclaimable_taken
             if n == 0 or not self.cache.can_allocate(wanted):
                 break
             del self.waiting[i]
             seq.disk_asked = False  # a later replay (after a preemption) may read from disk again
             first = not seq.admitted
-            seq.num_computed = self.cache.attach(seq.kv, hits, seq.prompt_len if first else 0,
+            seq.num_computed = self.cache.attach(seq.kv, hit.blocks, seq.prompt_len if first else 0,
                                                  spare=self.cache.num_free - wanted)
             if first:
                 seq.admitted, seq.prefix_len = True, seq.num_computed

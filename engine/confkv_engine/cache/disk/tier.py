@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv_engine.cache.disk import DiskStore, RebuildReport, capacity_from_volume
+from confkv_engine.cache.disk.store import DiskStore, RebuildReport, capacity_from_volume
 from confkv_engine.cache.prefix import CachedBlock
 from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad
 

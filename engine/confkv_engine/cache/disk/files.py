@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from confkv_engine.cache.disk_format import (
+from confkv_engine.cache.disk.format import (
     DIGEST_BYTES,
     PREFIX,
     RECORD_SUFFIX,

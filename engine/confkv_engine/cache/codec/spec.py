@@ -1,10 +1,10 @@
 """The shape of one encoded KV block (``CodecSpec``): bits, groups, parameter format and exact bytes.
 
-The codec (``cache.codec``) encodes a block with the group-wise maths of ``cache.group_quant`` and
+The codec (``codec.blocks``) encodes a block with the group-wise maths of ``codec.group_quant`` and
 lays it out as described here; a spec is plain data, validated once when it is built, so a bad
 bits / group / axis choice is a ``ValueError`` naming it before any tensor is touched.
 
-**Bytes.** ``cache.codec`` lays a block out as ``codes | pad to even | parameters`` in one flat
+**Bytes.** ``codec.blocks`` lays a block out as ``codes | pad to even | parameters`` in one flat
 uint8 tensor (fits in pool memory or a file): fp16 ``scales | mins``, or dq6 ``headers (fp16) |
 6-bit codes`` (four per 3 bytes, one run per row); int4 and int2 codes are packed 2 and 4 per
 byte, little end first. For SmolLM2-135M (L=30, bs=16, Hkv=3, D=64; a bf16 block is 184,320

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confkv_engine.cache.disk_format import decode_tokens, encode_tokens
+from confkv_engine.cache.disk.format import decode_tokens, encode_tokens
 
 SCHEMA_VERSION = 1
 SCHEMA = """

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confkv_engine.cache.disk_files import (
+from confkv_engine.cache.disk.files import (
     ScanResult,
     capacity_from_volume,
     read_record,
@@ -58,9 +58,9 @@ from confkv_engine.cache.disk_files import (
     scan_blocks,
     write_record,
 )
-from confkv_engine.cache.disk_format import Bytes, CorruptRecord, decode_record, encode_header
-from confkv_engine.cache.disk_index import BlockIndex, IndexRow
-from confkv_engine.cache.disk_policy import (
+from confkv_engine.cache.disk.format import Bytes, CorruptRecord, decode_record, encode_header
+from confkv_engine.cache.disk.index import BlockIndex, IndexRow
+from confkv_engine.cache.disk.policy import (
     DEFAULT_ADMISSION,
     OFFER_MEMORY,
     AdmissionRule,

@@ -1,5 +1,5 @@
 """Group-wise asymmetric quantization of KV blocks (int8 / int4 / int2): the maths, pure tensor
-functions (what is computed is a ``cache.codec_spec.CodecSpec``; its byte layout is ``cache.codec``'s).
+functions (what is computed is a ``codec.spec.CodecSpec``; its byte layout is ``codec.blocks``'s).
 
 **Groups.** A block ``x`` (one K or V block: ``[L, block_size, Hkv, D]``) is cut along one axis into
 groups of ``group`` consecutive elements; each group has a ``min`` and a ``scale`` (about ``(max -
@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.codec_spec import DQ_CODES, DQ_HEADER, DQ_SCALE_STEP, CodecSpec
+from confkv_engine.cache.codec.spec import DQ_CODES, DQ_HEADER, DQ_SCALE_STEP, CodecSpec
 
 FP16_MAX = 65504.0
 

@@ -2,10 +2,10 @@
 
 One codec serves both background compression of cold blocks and the retention tiers' low-precision
 form; nothing in it owns memory. The maths is kept apart from the storage layout, gpt-fast style:
-``cache.codec_spec`` says what a block's encoding is (``CodecSpec``: bits, groups, parameter format,
-exact bytes, with the table of sizes), ``cache.group_quant`` computes it (groups, keys per channel
+``codec.spec`` says what a block's encoding is (``CodecSpec``: bits, groups, parameter format,
+exact bytes, with the table of sizes), ``codec.group_quant`` computes it (groups, keys per channel
 and values per token as KIVI, fp16 and dq6 group parameters and what they were measured to cost) and
-``cache.bitpack`` packs codes into bytes. This module lays a block out as ``codes | pad to even |
+``codec.bitpack`` packs codes into bytes. This module lays a block out as ``codes | pad to even |
 parameters`` (``to_bytes`` / ``from_bytes``, ``encode_rows`` / ``decode_rows``) and reads it back,
 as views of the buffer where it can.
 
@@ -21,15 +21,15 @@ from math import prod
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.bitpack import pack, pack6, unpack, unpack6
-from confkv_engine.cache.codec_spec import DQ_HEADER, CodecSpec
-from confkv_engine.cache.group_quant import (
+from confkv_engine.cache.codec.bitpack import pack, pack6, unpack, unpack6
+from confkv_engine.cache.codec.group_quant import (
     Params,
     Runs,
     dequantize_blocks,
     group_values,
     quantize_stored,
 )
+from confkv_engine.cache.codec.spec import DQ_HEADER, CodecSpec
 
 
 @dataclass(frozen=True)

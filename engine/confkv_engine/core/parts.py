@@ -1,0 +1,105 @@
+"""Building the engine's parts from config: model facts, the cache (and its disk tier), retention,
+the attention backend, the scheduler, compression, and the lock they share.
+
+Every part gets its collaborators through its constructor here, once; nothing is set on a part
+afterwards. The one lock (``EngineParts.lock``) is an explicit object: the engine steps under it,
+live control changes land under it, and the compression worker encodes under it, so each of them
+is handed the same object rather than reaching into another's.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from confkv_api.config import ConfKVConfig, parse_size
+from confkv_engine.attention.retention import RetentionAttention
+from confkv_engine.cache.disk.tier import DiskTier
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, resolve_cache_bytes
+from confkv_engine.cache.layout import resolve_cache_dtype
+from confkv_engine.core.compression import CompressionControl
+from confkv_engine.core.scheduler import Scheduler
+from confkv_engine.model.compiled import compile_elementwise
+from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
+from confkv_engine.retention.policies import RetentionConfig
+from confkv_engine.retention.runtime import decision_interval
+
+
+class NullTokenizer:
+    """For models loaded without a tokenizer (tests): tokens have no text."""
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+@dataclass
+class EngineParts:
+    """What ``LLMEngine`` steps with and ``EngineControlSurface`` controls."""
+
+    model: Any
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    compile_seconds: float | None
+    cache: KVCache
+    disk: DiskTier | None
+    retention: RetentionManager
+    backend: RetentionAttention
+    scheduler: Scheduler
+    compression: CompressionControl
+    lock: threading.RLock
+    max_waiting: int
+
+
+def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | None = None) -> EngineParts:
+    """``loaded``: a ``model.loader.LoadedModel`` or anything with its attributes; ``retention``
+    overrides the confkv section's retention defaults."""
+    eng, model = config.engine, loaded.model
+    args = model.args
+    max_model_len = int(getattr(loaded, "max_model_len", 0) or args.max_position_embeddings)
+    if config.model.max_model_len:
+        max_model_len = min(max_model_len, config.model.max_model_len)
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    # The pool stores K/V at confkv.kvCacheDtype (auto: the model's dtype); attention reads them
+    # back in the model's dtype.
+    cache_dtype = resolve_cache_dtype(config.confkv.kv_cache_dtype, dtype)
+    compile_seconds = None  # model.compile: start-up compile time (logged)
+    if config.model.compile:
+        compile_seconds = compile_elementwise(model, dtype, Path(eng.cache_dir) if eng.cache_dir else None)
+    spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size, cache_dtype, device,
+                     compute_dtype=dtype)
+    size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
+    ev = config.confkv.eviction
+    # The salt names what changes the stored K/V besides the tokens (dtypes are added by the cache).
+    salt = f"{getattr(loaded, 'name', '')}|{args}".encode() if config.confkv.prefix_cache.enabled else None
+    # The disk tier (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
+    disk = DiskTier(eng.cache_dir) if eng.cache_dir and salt is not None else None
+    cache = KVCache.from_budget(spec, resolve_cache_bytes(size, device), prefix_salt=salt,
+                                eviction_k=ev.k if ev.policy == "LRU-K" else 1, sink=disk)
+    # Token-level retention (conf-kv and its peers). Retained sequences prefill in chunks of at most
+    # confkv.decisionInterval tokens.
+    chunk = retained_chunk(config.confkv, eng.prefill_chunk)
+    interval = decision_interval(spec.block_size, chunk)
+    defaults = retention or config_from_section(config.confkv, interval)
+    manager = RetentionManager(cache, args.num_heads, defaults, chunk)
+    # Admission reserves a binding budget, not the full length, and chunks of retained sequences
+    # never cross a decision point, so replays are exact.
+    scheduler = Scheduler(cache, manager, eng.max_batch_size, eng.max_num_batched_tokens, eng.prefill_chunk)
+    lock = threading.RLock()
+    return EngineParts(
+        model=model, tokenizer=getattr(loaded, "tokenizer", None) or NullTokenizer(),
+        vocab_size=args.vocab_size, max_model_len=max_model_len,
+        eos_token_ids=tuple(getattr(loaded, "eos_token_ids", ()) or ()), device=device, dtype=dtype,
+        cache_dtype=cache_dtype, compile_seconds=compile_seconds, cache=cache, disk=disk, retention=manager,
+        backend=RetentionAttention(cache, args.num_heads), scheduler=scheduler,
+        compression=CompressionControl(cache, lock, device, config.confkv.compression), lock=lock,
+        max_waiting=eng.max_waiting)
