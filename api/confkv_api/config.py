@@ -242,7 +242,7 @@ class ConfKVSection(_Model):
     window: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     # Sequences under a retention policy prefill in chunks of at most this many tokens (rounded up to
     # whole blocks, capped by engine.prefillChunk) and the policy acts after each: the budget then holds
-    # within one such chunk. 32 is what bench/kv_quality.py measures; larger trades budget precision
+    # within one such chunk. 32 is what bench/quality/kv_quality.py measures; larger trades budget precision
     # (and quality) for prefill speed. Fixed at start (not live).
     decision_interval: int = Field(default=32, ge=1, le=MAX_TOKENS)
     budget: float | None = Field(default=None, gt=0.0, le=1.0)

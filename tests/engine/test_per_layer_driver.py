@@ -11,8 +11,8 @@ from confkv_engine.model.llama import DenseAttention, LlamaForCausalLM
 from confkv_engine.retention.manager import RetentionManager
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.tiers import TierConfig
-from tests.drivers.per_layer import run_sequence_per_layer
-from tests.drivers.tiny_model import tiny_model
+from testkit.drivers.per_layer import run_sequence_per_layer
+from testkit.drivers.tiny_model import tiny_model
 
 CHUNK = 32
 

@@ -12,8 +12,8 @@ from confkv_engine.retention.manager import RetentionManager
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.scorer import ScorerConfig
 from confkv_engine.retention.tiers import TierConfig
-from tests.drivers.offline import run_sequence
-from tests.drivers.tiny_model import tiny_model
+from testkit.drivers.offline import run_sequence
+from testkit.drivers.tiny_model import tiny_model
 
 CHUNK, BLOCK = 32, 16
 

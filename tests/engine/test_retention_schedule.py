@@ -10,8 +10,8 @@ from confkv_engine.retention.budget import BudgetSchedule
 from confkv_engine.retention.manager import RetentionManager
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.tiers import TierConfig
-from tests.drivers.offline import run_sequence
-from tests.drivers.tiny_model import tiny_model
+from testkit.drivers.offline import run_sequence
+from testkit.drivers.tiny_model import tiny_model
 
 
 def test_schedule_on_the_paged_cache_holds_the_average_and_the_reservation() -> None:

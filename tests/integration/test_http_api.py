@@ -9,12 +9,10 @@ ends the server and therefore comes last.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import signal
 import threading
-from pathlib import Path
 
 import httpx
 import openai
@@ -34,7 +32,7 @@ SERVER_FLAGS = ("--weights", "fp32", "--max-batch-size", "1", "--max-waiting", "
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("engine")
-    # Prefill chunks of 32 and a 32-token recent window: the settings of bench/kv_quality.py, so
+    # Prefill chunks of 32 and a 32-token recent window: the settings of bench/quality/kv_quality.py, so
     # per-request retention can be compared with the benchmark's in-process values.
     (workdir / "confkv.json").write_text(json.dumps({"confkv": {"window": 32}}))
     # fp32 weights: echo logprobs are compared with the in-process fp32 benchmark, and the quantized
@@ -225,21 +223,12 @@ def test_disconnect_mid_stream_aborts_and_health_answers_while_busy(server: Engi
     server.wait_metric(names.KV_CACHE_USAGE_RATIO, lambda v: v == 0.0, deadline_s=30)
 
 
-def _kv_quality():
-    """bench/kv_quality.py as a module (the benchmark's own in-process computation)."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "kv_quality.py"
-    spec = importlib.util.spec_from_file_location("kv_quality", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_echo_logprobs_under_retention_equal_the_benchmark_in_process(server: EngineServer) -> None:
     import torch
 
     from confkv_engine.model.loader import load_model
+    from testkit import kv_runs as kvq
 
-    kvq = _kv_quality()
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
     tokens = kvq.pydoc_tokens(loaded.tokenizer)[:300]
     cfg = kvq.make_config("conf-kv", 0.5, kvq.parse_args([]))

@@ -170,7 +170,7 @@ def test_min_p_keeps_only_tokens_near_the_best(client: openai.OpenAI) -> None:
 
 # ---- structured output -------------------------------------------------------------------------------
 
-# Nested objects, enums and arrays; shared with bench/grammar_mask_cost.py.
+# Nested objects, enums and arrays; shared with bench/micro/grammar_mask_cost.py.
 PET_SCHEMA = json.loads((Path(__file__).with_name("pet_schema.json")).read_text())
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import kubernetes
 import pytest
 
-from tests.k8s_emulator import KubeEmulator
-from tests.operator.operator_harness import OperatorThread, install_crds
+from testkit.k8s_emulator import KubeEmulator
+from testkit.operator_harness import OperatorThread, install_crds
 
 RESYNC_SECONDS = 0.5  # the timer interval: drift correction and status refresh
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from confkv_operator import names as n
-from tests.k8s_emulator import KubeEmulator
+from testkit.k8s_emulator import KubeEmulator
+from testkit.operator_harness import API_VERSION, OperatorThread, cr
 from tests.operator.conftest import RESYNC_SECONDS
-from tests.operator.operator_harness import API_VERSION, OperatorThread, cr
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("operator")]
 NS = "default"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.k8s_emulator import KubeEmulator
-from tests.operator.operator_harness import ROOT
+from testkit.k8s_emulator import KubeEmulator
+from testkit.operator_harness import ROOT
 
 KUBECTL = shutil.which("kubectl")
 pytestmark = [

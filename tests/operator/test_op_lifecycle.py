@@ -9,8 +9,8 @@ import kubernetes
 import pytest
 
 from confkv_operator import names as n
-from tests.k8s_emulator import KubeEmulator
-from tests.operator.operator_harness import cr
+from testkit.k8s_emulator import KubeEmulator
+from testkit.operator_harness import cr
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("operator")]
 NS = "default"

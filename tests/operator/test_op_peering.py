@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s_emulator import KubeEmulator, crd_manifest
-from tests.operator.operator_harness import OperatorThread, cr, install_crds
+from testkit.k8s_emulator import KubeEmulator, crd_manifest
+from testkit.operator_harness import OperatorThread, cr, install_crds
 
 PEERING = "confkv-operator"
 

@@ -24,8 +24,8 @@ from confkv_operator.rbac import (
     expand,
     namespaced_only,
 )
-from tests.k8s_emulator import KubeEmulator
-from tests.operator.operator_harness import API_VERSION, ROOT, OperatorThread, cr, install_crds
+from testkit.k8s_emulator import KubeEmulator
+from testkit.operator_harness import API_VERSION, ROOT, OperatorThread, cr, install_crds
 
 CHART_RULES = ROOT / "helm" / "confkv-operator" / "files" / "rbac" / "operator-rules.yaml"
 NS = "default"

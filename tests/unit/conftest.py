@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.k8s_emulator import KubeEmulator
+from testkit.k8s_emulator import KubeEmulator
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from confkv_api.resources import LAST_REMEDIATION_ANNOTATION
 from confkv_api.v1 import control_pb2 as pb
 from confkv_operator.rbac import AGENT_RULES, expand
 from confkv_operator.status import last_remediation
-from tests.k8s_emulator import KubeEmulator, crd_manifest
+from testkit.k8s_emulator import KubeEmulator, crd_manifest
 
 NS = "serving"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.budget_shapes import EntropyProbe, fit_mean, layer_fractions
 from confkv_engine.model.llama import dense_causal_attention
+from testkit.budget_shapes import EntropyProbe, fit_mean, layer_fractions
 
 
 @pytest.mark.parametrize("shape", ["uniform", "pyramid:2", "pyramid:0.5", "pyramid:40", "entropy:1",

@@ -10,8 +10,8 @@ import torch
 from confkv_engine.cache.arena import MAX_RUNS, Arena, row_runs
 from confkv_engine.cache.codec.bitpack import pack, pack6, unpack, unpack6
 from confkv_engine.cache.codec.blocks import EncodedBlock, decode, decode_rows, encode, encode_rows
-from confkv_engine.cache.codec.spec import CodecSpec, encoded_nbytes, key_spec, value_spec
 from confkv_engine.cache.codec.group_quant import quantize
+from confkv_engine.cache.codec.spec import CodecSpec, encoded_nbytes, key_spec, value_spec
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache
 
 SMOLLM2_BLOCK = (30, 16, 3, 64)  # [L, block_size, Hkv, D]

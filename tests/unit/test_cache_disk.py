@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from confkv_engine.cache.disk.store import DiskStore, admit_reused, capacity_from_volume
 from confkv_engine.cache.disk.format import PREFIX, encode_header, record_name
 from confkv_engine.cache.disk.policy import select_hot_chains
+from confkv_engine.cache.disk.store import DiskStore, admit_reused, capacity_from_volume
 
 PAYLOAD = 1000
 

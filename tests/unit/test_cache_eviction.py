@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from bench.traces import TraceConfig, block_keys, make_trace, simulate
 from confkv_engine.cache.eviction import LRUK
+from testkit.traces import TraceConfig, block_keys, make_trace, simulate
 
 
 def run_cache(policy: LRUK, refs: list[str], capacity: int) -> tuple[list[str], list[str]]:

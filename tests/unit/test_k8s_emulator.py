@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.k8s_emulator import JSON_PATCH, MERGE, KubeEmulator, crd_manifest
+from testkit.k8s_emulator import JSON_PATCH, MERGE, KubeEmulator, crd_manifest
 
 CKV_CRD = crd_manifest("confkv.io", "v1alpha1", "ConfKVDeployment", short_names=("ckv",), scale=True)
 

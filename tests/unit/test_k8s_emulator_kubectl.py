@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.k8s_emulator import KubeEmulator, crd_manifest
+from testkit.k8s_emulator import KubeEmulator, crd_manifest
 
 Kubectl = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from kubernetes import client, watch
 
-from tests.k8s_emulator import ApiError, KubeEmulator, crd_manifest
-from tests.k8s_emulator.watching import Event, Hub
+from testkit.k8s_emulator import ApiError, KubeEmulator, crd_manifest
+from testkit.k8s_emulator.watching import Event, Hub
 
 
 @pytest.fixture

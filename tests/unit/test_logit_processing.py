@@ -20,7 +20,7 @@ from confkv_engine.core.structured_output import (
     check,
     spec_from_response_format,
 )
-from tests.unit.test_sampling import _gpt2_byte_map
+from testkit.gpt2_bytes import gpt2_byte_map
 
 EOS = 256
 
@@ -121,7 +121,7 @@ def test_bad_values_are_refused(field: str, value: object) -> None:
 @pytest.fixture(scope="module")
 def byte_tok() -> SimpleNamespace:
     """Byte-level tokenizer, one token per byte (256 = <eos>), in the shape the engine passes."""
-    byte_map = _gpt2_byte_map()
+    byte_map = gpt2_byte_map()
     tok = Tokenizer(models.BPE(vocab={byte_map[b]: b for b in range(256)} | {"<eos>": EOS}, merges=[]))
     tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

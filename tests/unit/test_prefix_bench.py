@@ -1,14 +1,15 @@
-"""The prefix-cache benchmark's replay drives the real cache manager: exact hits on a scan that LRU
-lets flush a hot prefix and LRU-2 does not, and the same hit rate as the eviction simulator when
-nothing is evicted and no prompt ends on a block boundary."""
+"""The prefix-cache replay (``testkit.prefix_replay``, what the cache benchmark reports) drives the
+real cache manager: exact hits on a scan that LRU lets flush a hot prefix and LRU-2 does not, and
+the same hit rate as the eviction simulator when nothing is evicted and no prompt ends on a block
+boundary."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.prefix_cache import replay
-from bench.traces import TraceConfig, make_trace, simulate
 from confkv_engine.cache.eviction import LRUK
+from testkit.prefix_replay import replay
+from testkit.traces import TraceConfig, make_trace, simulate
 
 HOT = list(range(100, 108))
 SCAN_TRACE = [HOT + [1], HOT + [2], list(range(200, 208)) + [3], list(range(300, 308)) + [4], HOT + [5]]

@@ -20,6 +20,7 @@ from confkv_engine.core.sampling import (
     token_logprobs,
 )
 from confkv_engine.core.sampling_params import SamplingParams
+from testkit.gpt2_bytes import gpt2_byte_map
 
 V = 1000
 EOS = 256
@@ -30,22 +31,11 @@ def _logits(rows: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=gen) * 3.0
 
 
-def _gpt2_byte_map() -> dict[int, str]:
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
-
-
 @pytest.fixture(scope="module")
 def byte_tokenizer() -> Tokenizer:
     """Byte-level BPE without merges: every UTF-8 byte is its own token, so multi-byte characters
     are always split across tokens (the worst case for incremental decoding). 256 = <eos>."""
-    byte_map = _gpt2_byte_map()
+    byte_map = gpt2_byte_map()
     vocab = {byte_map[b]: b for b in range(256)} | {"<eos>": EOS}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = ByteLevel(add_prefix_space=False)

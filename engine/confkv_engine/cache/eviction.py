@@ -47,10 +47,10 @@ is therefore exactly LRU (vLLM's free queue: appended on release, evicted from t
   system prompt (hundreds of children) gets a far older one and still goes soon after the scans.
   A parent's history only ever moves back for its children, so a new child never outranks its
   parent and a chain is evicted from its tail (vLLM frees a request's blocks last-to-first for the
-  same reason). Measured with the simulator in ``bench/traces.py`` on tuning seeds 7 and 8 of the
+  same reason). Measured with the simulator in ``testkit/traces.py`` on tuning seeds 7 and 8 of the
   scan-polluted trace at 1,024 blocks: LRU-2 +3.3 / +4.8 points of token hit rate over LRU without
   it, +6.1 / +7.3 with it, and on the chat-heavy trace -7.3 / -8.2 without, -1.2 / -0.8 with.
-  Reported seeds 0 / 1 / 2 (not used for the choice; ``bench/prefix_cache.py``, the real cache
+  Reported seeds 0 / 1 / 2 (not used for the choice; ``bench/cache/prefix_cache.py``, the real cache
   manager): +5.0 / +4.0 / +5.5 without, +7.1 / +7.1 / +7.9 with (the target is +8).
   Tried there and not kept (within 0.3 points of chain history alone, or worse): inheriting without
   the 1/c split (+4.5 on seed 7: questions on hot prompts are kept like the prompt), a Laplace

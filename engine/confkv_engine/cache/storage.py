@@ -17,7 +17,7 @@ one index operation per slab (or a gather through a slab table), and the attenti
 arena byte streams and compression would all have to learn the mapping. A live raise is rare (an
 operator or the agent changing the policy); a step is not, so the copy is paid once instead.
 Measured on this repository's CPU machine (2 cores) at SmolLM2-135M's block layout by
-``bench/pool_grow.py`` (half the old pool written; fp32 and bf16 alike, bound by memory
+``bench/cache/pool_grow.py`` (half the old pool written; fp32 and bf16 alike, bound by memory
 bandwidth, about 0.45 ms per MiB of the new pool): 64 MiB -> 128 MiB in 31 ms, 256 -> 512 MiB in
 115 ms, 1 GiB -> 2 GiB (the CPU default pool doubled) in 0.46 s. The engine holds its lock for
 that long, so the grow lands between two steps and delays the next one by as much. New blocks are

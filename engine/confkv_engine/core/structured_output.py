@@ -1,7 +1,7 @@
 """Structured output (``response_format`` json_object / json_schema) through llguidance.
 
 Library choice, measured on this project's CPU (one thread) with SmolLM2's 49,152-token vocabulary
-and a schema of nested objects, enums and arrays (``bench/grammar_mask_cost.py``, mean / p99 per
+and a schema of nested objects, enums and arrays (``bench/micro/grammar_mask_cost.py``, mean / p99 per
 token): xgrammar 2.4 / 10 us, llguidance 49 / 509 us (its first masks build the lexer lazily),
 outlines-core 71 / 307 us (plus a 233 ms whole-vocabulary index per schema). The engine's own part
 (unpacking the bitmask and masking the logits row) costs about 60 us whatever the library, so the

@@ -15,7 +15,7 @@ Two target formats, both the ones PyTorch's CPU weight-only kernels consume:
   lowers that error by only 3 % (the rows are not outlier-dominated), so the scale stays absmax/127.
 
 The ``int8`` mode keeps the query and value projections (``INT8_DENSE_LINEARS``) dense in the
-activation dtype: measured one family at a time on the embedded model (bench/weights_quality.py),
+activation dtype: measured one family at a time on the embedded model (bench/quality/weights_quality.py),
 they are the ones whose int8 rounding moves perplexity most (the attention logits and the values
 every later token mixes), as llama.cpp's mixtures keep ``attn_v`` at more bits than the rest.
 They are about an eighth of the linear weights (+10 % weight bytes over all-int8).

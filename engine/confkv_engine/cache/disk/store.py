@@ -9,7 +9,7 @@ Layout of ``directory``::
 **One file per block, not segments.** A block is 0.1-2 MB (16 tokens x all layers), so a file each
 costs little, and eviction is an ``unlink``: append-only segments would have to be compacted, i.e.
 rewritten, which is exactly the SSD wear the admission filter is there to spare. Writes cost the
-same: ``bench/disk_tier.py`` measured a file per block (write, fsync, rename) at 276 records/s
+same: ``bench/cache/disk_tier.py`` measured a file per block (write, fsync, rename) at 276 records/s
 against 263 for appends to a segment (write, fsync) with 190 KB blocks, both bound by the fsync.
 
 **Crash consistency.** A put writes ``<key>.blk.<n>.tmp``, fsyncs it, renames it to ``<key>.blk``,
