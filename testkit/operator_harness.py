@@ -17,7 +17,7 @@ from confkv_operator.kube import Kube
 from confkv_operator.main import run_operator
 from confkv_operator.settings import OperatorSettings, load_settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = ROOT / "crds" / "confkvdeployments.confkv.io.yaml"
 API_VERSION = "confkv.io/v1alpha1"
 OPEN_SCHEMA = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}

@@ -17,6 +17,7 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=results_dir("cache") / "pool_grow.json")
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = []
@@ -59,7 +61,7 @@ def main() -> None:
             rows.append(row)
             print(f"{row['dtype']:>14} {row['from_mib']:>5} MiB -> {row['to_mib']:>5} MiB: "
                   f"best {row['best_ms']} ms, median {row['median_ms']} ms")
-    out = results_dir("cache") / "pool_grow.json"
+    out = args.out
     out.write_text(json.dumps({"device": str(device), "machine": platform.processor() or platform.machine(),
                                "threads": torch.get_num_threads(), "rows": rows}, indent=2) + "\n")
 

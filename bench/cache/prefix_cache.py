@@ -1,4 +1,4 @@
-"""Prefix-cache benchmark: the real cache manager on the traces of ``traces.py``, then the engine.
+"""Prefix-cache benchmark: the real cache manager on the traces of ``testkit.traces``, then the engine.
 
     python -m bench.cache.prefix_cache            # everything (a few minutes on one core)
     python -m bench.cache.prefix_cache --no-model # only the cache-manager replay (no model)
@@ -15,7 +15,7 @@
    recomputes that last block) and in how a request's own blocks compete with the cache.
 2. **Engine, shared prefixes** (embedded SmolLM2-135M, fp32, one thread). A small seeded trace of
    hot system prompts and chats (token ids are random, only their equality matters), driven in
-   process with four requests in flight (``serving_peers.run_inprocess``), prefix cache on vs off:
+   process with four requests in flight (``bench.serving.peers.run_inprocess``), prefix cache on vs off:
    output tokens per second, time to first token, and how many greedy outputs agree.
 3. **Repeated 2,000-token prompt**: time to first token of a cold prompt vs the same prompt again
    (every block but the last is shared), median of three distinct prompts; the cold time is also

@@ -39,6 +39,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from confkv_api.config import ConfKVConfig, with_overrides
+from confkv_engine.core import engine as engine_module
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model import llama
@@ -84,7 +85,7 @@ def labelled(engine: LLMEngine) -> Iterator[None]:
         stack.enter_context(patched(llama, "apply_rope", "norm/rope/act"))
         stack.enter_context(patched(llama.MLP, "forward", "norm/rope/act"))
         stack.enter_context(patched(llama.LlamaForCausalLM, "forward", "model other"))
-        stack.enter_context(patched(engine, "_sample", "sampling"))
+        stack.enter_context(patched(engine_module, "sample_step", "sampling"))
         yield
 
 

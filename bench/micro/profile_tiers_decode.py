@@ -1,7 +1,7 @@
 """Where a decode step of the overhead scenario goes: ``torch.profiler`` over ``--steps`` decode
 steps of ``--batch`` sequences with ``--seq-len`` cached tokens (one variant of
-``kv_scenarios.py --scenario overhead``, default conf-kv+tiers at f = 0.25), the median step time
-and the ops by self CPU time. The per-change profile lines in docs/retention.md come from it:
+``bench.quality.kv_quality --scenario overhead``, default conf-kv+tiers at f = 0.25), the median step time
+and the ops by self CPU time. The per-change profile lines in docs/notes/retention-journal.md come from it:
 
     python -m bench.micro.profile_tiers_decode --seq-len 2048 --batch 8 --steps 20
 

@@ -45,8 +45,8 @@ NEUTRAL_SAMPLING = 0.5
 
 @dataclass(frozen=True)
 class ScorerConfig:
-    """Scoring knobs. Defaults were tuned on tokens [6144, 12288) (docs/retention.md): the sampling
-    signal earned no weight there, so the default mode is attention-only."""
+    """Scoring knobs. Defaults were tuned on tokens [6144, 12288) (docs/notes/retention-journal.md):
+    the sampling signal earned no weight there, so the default mode is attention-only."""
 
     mode: ScoreMode = "attention"
     sampling_weight: float = 0.2  # used by mode='combined' only

@@ -121,7 +121,7 @@ class TierConfig:
     window: int = 32
     key_only: bool = True
     # The recent window grows to this fraction of the tokens the budget holds (0: fixed window;
-    # 0.5 tuned on tokens [6144, 12288), see docs/retention.md).
+    # 0.5 tuned on tokens [6144, 12288), see docs/notes/retention-journal.md).
     window_fraction: float = 0.5
     # Budget demotion order. None: the literal one-tier-at-a-time walk (KEY_ONLY, ranked below FULL
     # by the thresholds, is discarded first). A share s: the lowest FULL token goes to KEY_ONLY while
@@ -137,8 +137,8 @@ class TierConfig:
     # Relative loss of a token at int8 / int4 / k4v2 / int2 (FULL 0, DISCARD 1): what the budget walk
     # trades against bytes (``precision.step_weights``); tuned on tokens [6144, 12288) against a bf16
     # cache: int2 at 0.3 made int2 cheaper per byte than dropping, so the walk put nearly every token
-    # at int2 (+4.9% at f = 0.25 where 0.5-0.9 gave -0.05%; see docs/retention.md). k4v2 (not in the
-    # default chain) sits between int4 and int2: 0.05 and 0.15 were measured, neither won.
+    # at int2 (+4.9% at f = 0.25 where 0.5-0.9 gave -0.05%; see docs/notes/retention-journal.md). k4v2
+    # (not in the default chain) sits between int4 and int2: 0.05 and 0.15 were measured, neither won.
     precision_loss: tuple[float, float, float, float] = (0.002, 0.02, 0.05, 0.8)
     # Precision chain only: a token leaving the window with confidence below this goes straight to the
     # last precision tier; 0 (default): never, only the budget walk demotes past the first precision
@@ -150,7 +150,7 @@ class TierConfig:
     # Precision chain only: the minimal always-FULL recent window (None: ``window``, the other
     # chains' minimal one). It may be shorter than a decision interval: a token leaving it early is
     # quantized, and dropped only where the walk prices that lowest; the recent FULL tokens are a
-    # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/retention.md).
+    # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/notes/retention-journal.md).
     precision_window: int | None = 16
     # Value group of the codec (keys: min(group, block_size)); the cache compression's groupSize.
     precision_group: int = 64
