@@ -12,7 +12,7 @@ KV_CACHE_CAPACITY_BYTES = "confkv_kv_cache_capacity_bytes"  # gauge, bytes of th
 PREFIX_CACHE_HIT_RATIO = "confkv_prefix_cache_hit_ratio"  # gauge, hit / queried tokens, last 5 minutes
 PREFIX_CACHE_QUERIED_TOKENS = "confkv_prefix_cache_queried_tokens"  # counter
 PREFIX_CACHE_HIT_TOKENS = "confkv_prefix_cache_hit_tokens"  # counter
-# counter: torn or corrupt disk-tier records the index rebuilds skipped (never served)
+# counter: torn or corrupt disk-store records the index rebuilds skipped (never served)
 CACHE_REBUILD_RECORDS_SKIPPED = "confkv_cache_rebuild_records_skipped_total"
 
 # Engine: scheduler and requests.

@@ -1,4 +1,4 @@
-"""A process that writes disk-tier records in a loop until it is killed (``test_cache_disk_crash``).
+"""A process that writes disk-store records in a loop until it is killed (``test_cache_disk_crash``).
 
 Every record is a pure function of its key's (seed, index), so whoever reopens the directory can
 check that each served record is exactly what was written for its key.

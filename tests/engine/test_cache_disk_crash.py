@@ -1,4 +1,4 @@
-"""Crash consistency of the disk tier: a writer process is SIGKILLed at random moments, then a fresh
+"""Crash consistency of the disk store: a writer process is SIGKILLed at random moments, then a fresh
 store rebuilds from what it left and must serve only records exactly as they were written.
 
 The trials share one directory, so later writers also start from (and may be killed inside) the

@@ -1,6 +1,6 @@
 """Disk read-back through LLMEngine on the embedded SmolLM2-135M (fp32), after a restart on the
 cache directory a first engine filled: a request whose prefix is on disk waits, holding no block,
-while the disk tier's reader thread reads it (made slow here by a gate in front of the real store's
+while the disk store's reader thread reads it (made slow here by a gate in front of the real store's
 ``get``), and a running request keeps producing one token every step meanwhile; then the request is
 admitted with the whole hit and answers as a cold cache does. A corrupt record is counted and the
 chain stops before it; a read that fails outright admits the request without a hit. Every answer
@@ -72,7 +72,7 @@ def filled(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Fil
         eng.generate([disk_prompt], GREEDY)  # used twice: the disk admits its blocks
         running_alone = eng.generate([running_prompt], LONG)[0]
     finally:
-        eng.close()  # a clean shutdown offers every cached block to the disk tier
+        eng.close()  # a clean shutdown offers every cached block to the disk store
     return FilledDisk(directory, disk_prompt, running_prompt, cold, running_alone)
 
 

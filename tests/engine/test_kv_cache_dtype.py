@@ -125,7 +125,7 @@ def test_a_cached_block_pair_leaves_and_comes_back_as_the_same_bytes(dtype: torc
     load = ChainLoad([link], shape, spec.dtype, None if caches[1].scale is None else shape[:-1])
     decoded = load.decode(payload)
     assert decoded is not None
-    load.pairs[entry.key] = decoded  # what the disk tier's reader thread does
+    load.pairs[entry.key] = decoded  # what the disk store's reader thread does
     assert caches[1].install_load(load) == 1
     back = caches[1].prefix.get(entry.key)
     for a, b in ((entry.k_block, back.k_block), (entry.v_block, back.v_block)):

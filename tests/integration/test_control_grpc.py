@@ -127,7 +127,7 @@ def test_missing_capabilities_answer_failed_precondition(stub: pb_grpc.EngineCon
     with pytest.raises(grpc.RpcError) as err:
         stub.Compress(pb.CompressRequest(strategy="int3"), timeout=5)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    # No prompts and no disk tier remembering hot prefixes: nothing to do, and it says so.
+    # No prompts and no disk store remembering hot prefixes: nothing to do, and it says so.
     assert "nothing to warm up" in stub.Warmup(pb.WarmupRequest(), timeout=30).message
 
 

@@ -217,7 +217,7 @@ def test_prefix_hit_and_eviction_of_compressed_cached_entries() -> None:
     fill(cache, c, 4 * BS, seed=6)
     assert len(cache.prefix) == 0 and len(cache.store) == 0 and cache.store.num_hosts == 0
     assert cache.num_free == 0
-    # The disk tier got the decoded blocks, in the layout of an uncompressed entry.
+    # The disk store got the decoded blocks, in the layout of an uncompressed entry.
     first = torch.stack([ref_k[:, 0], ref_v[:, 0]]).contiguous().view(torch.uint8).numpy().tobytes()
     assert sink.payloads[entries[0].key] == first and len(sink.payloads) == 3
 

@@ -1,4 +1,4 @@
-"""The disk tier: round trip, admission, eviction order, checksums, rebuild after damage, threads."""
+"""The disk store: round trip, admission, eviction order, checksums, rebuild after damage, threads."""
 
 from __future__ import annotations
 

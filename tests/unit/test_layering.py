@@ -1,8 +1,8 @@
 """Imports only go downward, and no module of the repository imports itself in a circle.
 
 Two levels. Inside the engine, each room imports only the rooms below it (the table is the
-architecture in docs/architecture.md); the cache's codec and disk tier are rooms of their own: the
-codec sits below everything, the disk tier imports the cache core and never the reverse. Across the
+architecture in docs/architecture.md); the cache's codec and disk store are rooms of their own: the
+codec sits below everything, the disk store imports the cache core and never the reverse. Across the
 repository, the shipped packages import only ``confkv_api`` besides themselves (and the engine's CLI
 the agent it can start), ``testkit`` (the
 drivers tests and benchmarks share) imports neither ``tests`` nor ``bench``, ``bench`` never imports

@@ -185,7 +185,7 @@ class LRUK:
 
     def uses(self, key: Hashable) -> int:
         """How many uncorrelated references ``key`` has had itself (inherited ones do not count);
-        0 if unknown. The disk tier's admission rule counts these."""
+        0 if unknown. The disk store's admission rule counts these."""
         hist = self._hist.get(key)
         if hist is None:
             entry = self._retained.get(key)

@@ -73,7 +73,7 @@ __all__ = ["CPU_AVAILABLE_CAP", "DEFAULT_CPU_CACHE_BYTES", "CacheSpec", "Compres
 
 
 class EvictionSink(Protocol):
-    """Where evicted prefix blocks go and come back from (``offload.DiskTier``); must not block long."""
+    """Where evicted prefix blocks go and come back from (``offload.DiskSink``); must not block long."""
 
     def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
 
@@ -88,7 +88,7 @@ class KVCache:
                  eviction_k: int = 2, sink: EvictionSink | None = None) -> None:
         """``prefix_salt``: None turns the prefix cache off; else it names what changes stored K/V
         besides the tokens (model, dtype), so two models never share an entry. ``sink``: where
-        evicted prefix blocks go (the disk tier), None for none."""
+        evicted prefix blocks go (the disk store), None for none."""
         self.spec = spec
         self.pool = BlockPool(num_blocks)
         # The stored bytes depend on the storage dtype and, when it differs, on the dtype K/V were
@@ -278,7 +278,7 @@ class KVCache:
         entry = self.prefix.remove(key)
         self._set_idle(entry, -1)
         self._cold.pop(key, None)
-        if self.sink is not None:  # the disk tier decides whether the block deserves the disk
+        if self.sink is not None:  # the disk store decides whether the block deserves the disk
             self.sink.spill(entry, self.entry_payload(entry), self.eviction.uses(key))
         self.free_blocks([entry.k_block, entry.v_block])
         self.eviction.forget(key)
@@ -308,7 +308,7 @@ class KVCache:
     # ---- prefix cache ------------------------------------------------------------------------
     def match(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
         """The cached blocks covering the longest prefix of ``tokens``. Nothing is shared yet; what the
-        disk tier holds beyond it comes back through ``request_load`` / ``install_load``."""
+        disk store holds beyond it comes back through ``request_load`` / ``install_load``."""
         if self.prefix is None or max_blocks <= 0:
             return []
         return self.prefix.match(tokens, self.spec.block_size, max_blocks)
@@ -322,7 +322,7 @@ class KVCache:
         return PrefixHit(blocks, len(blocks) * self.spec.block_size, self.evictable_among(blocks), load)
 
     def request_load(self, tokens: list[int], found: list[CachedBlock], max_blocks: int) -> ChainLoad | None:
-        """Ask the disk tier to read back the blocks continuing ``found`` (a ``match``) over ``tokens``,
+        """Ask the disk store to read back the blocks continuing ``found`` (a ``match``) over ``tokens``,
         up to ``max_blocks`` blocks in all; None when there is none to read (see ``readback``)."""
         spec = self.spec
         stop = min(max_blocks, len(found) + MAX_LOAD_BLOCKS, len(tokens) // spec.block_size)

@@ -1,11 +1,11 @@
-"""Reading prefix blocks back from the disk tier without stalling the engine: the chain to read and
+"""Reading prefix blocks back from the disk store without stalling the engine: the chain to read and
 the load in flight.
 
 Admission works in three moves, so no engine step ever waits for the disk:
 
 1. On the engine thread, ``KVCache.request_load`` computes the chain keys that continue a request's
    in-memory hit (hashing only, at most ``MAX_LOAD_BLOCKS``) and hands them to the sink
-   (``offload.DiskTier.start_load``), which answers at once: None when the disk has no record for
+   (``offload.DiskSink.start_load``), which answers at once: None when the disk has no record for
    the chain's next block (the request is admitted now, as a miss), else a ``ChainLoad`` queued
    for its reader thread. The request stays waiting and holds no block meanwhile; requests behind
    it are admitted past it, and running ones keep stepping.

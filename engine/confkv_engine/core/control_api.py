@@ -50,7 +50,7 @@ class EngineStats:
     kv_bytes_reserved: int = 0  # pool bytes the cache keeps for itself (the null block; in the total)
     kv_bytes_reclaimable: int = 0  # free + evictable + retired pool bytes (the VRAM signal subtracts them)
     eviction_k: int = 0  # the prefix cache's live LRU-K K (1 = LRU)
-    disk_records: int = 0  # blocks the disk tier holds
+    disk_records: int = 0  # blocks the disk store holds
     disk_bytes: int = 0
     disk_spilled: int = 0  # evicted blocks written to disk since start
     disk_loaded: int = 0  # blocks read back from disk into the prefix cache
@@ -93,9 +93,9 @@ class EngineControlTarget(Protocol):
         ...
 
     def rebuild_index(self) -> str:
-        """Rebuild the disk tier's block index; returns what happened (raises PolicyRejected without one)."""
+        """Rebuild the disk store's block index; returns what happened (raises PolicyRejected without one)."""
         ...
 
     def hot_prefixes(self, n: int) -> list[list[int]]:
-        """Token ids of the most-hit prefixes the engine remembers (disk tier), best first."""
+        """Token ids of the most-hit prefixes the engine remembers (disk store), best first."""
         ...

@@ -14,7 +14,7 @@ import threading
 import torch
 
 from confkv_api.config import CompressionSection, ConfKVSection, parse_size
-from confkv_engine.cache.disk.tier import DiskTier
+from confkv_engine.cache.disk.sink import DiskSink
 from confkv_engine.cache.kv_cache import CompressResult, KVCache
 from confkv_engine.cache.layout import requested_cache_bytes
 from confkv_engine.core.compression import CompressionControl
@@ -37,7 +37,7 @@ class EngineControlSurface:
     """Control calls over the engine's parts; the engine sets these attributes from its parts."""
 
     cache: KVCache
-    disk: DiskTier | None
+    disk: DiskSink | None
     scheduler: Scheduler
     retention: RetentionManager
     compression_control: CompressionControl
@@ -79,7 +79,7 @@ class EngineControlSurface:
             raise CapacityInUse(f"maxCacheSize {max_cache_size!r} ({wanted} bytes) refused: {err}") from None
 
     def rebuild_index(self) -> str:
-        """Rebuild the disk tier's index from its record files (torn or corrupt ones are skipped)."""
+        """Rebuild the disk store's index from its record files (torn or corrupt ones are skipped)."""
         if self.disk is None:
             raise PolicyRejected("this engine has no cache directory (engine.cacheDir): nothing to rebuild")
         report = self.disk.rebuild()
@@ -87,11 +87,11 @@ class EngineControlSurface:
                 f"{report.skipped} torn or corrupt skipped, {report.orphans} unfinished writes removed")
 
     def hot_prefixes(self, n: int) -> list[list[int]]:
-        """Token ids of the most-hit prefixes the disk tier remembers (for a warm-up with no prompts)."""
+        """Token ids of the most-hit prefixes the disk store remembers (for a warm-up with no prompts)."""
         return self.disk.hot_prefixes(n) if self.disk is not None else []
 
     def close(self) -> None:
-        """Release what outlives requests (the compression worker, the disk tier's writer and index)."""
+        """Release what outlives requests (the compression worker, the disk store's writer and index)."""
         self.stop_compression()
         if self.disk is not None:
             with self.lock:
@@ -155,9 +155,9 @@ class EngineControlSurface:
     def _disk_stats(self) -> dict[str, int]:
         if self.disk is None:
             return {}
-        store, tier = self.disk.store.stats(), self.disk.stats
-        return {"disk_records": store.records, "disk_bytes": store.bytes_used, "disk_spilled": tier.spilled,
-                "disk_loaded": tier.loaded, "rebuild_records_skipped": store.rebuild_skipped}
+        store, sink = self.disk.store.stats(), self.disk.stats
+        return {"disk_records": store.records, "disk_bytes": store.bytes_used, "disk_spilled": sink.spilled,
+                "disk_loaded": sink.loaded, "rebuild_records_skipped": store.rebuild_skipped}
 
     # ---- compression (``core.compression``) -------------------------------------------------
     @property

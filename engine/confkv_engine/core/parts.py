@@ -1,4 +1,4 @@
-"""Building the engine's parts from config: model facts, the cache (and its disk tier), retention,
+"""Building the engine's parts from config: model facts, the cache (and its disk store), retention,
 the attention backend, the scheduler, compression, and the lock they share.
 
 Every part gets its collaborators through its constructor here, once; nothing is set on a part
@@ -18,7 +18,7 @@ import torch
 
 from confkv_api.config import ConfKVConfig, parse_size
 from confkv_engine.attention.retention import RetentionAttention
-from confkv_engine.cache.disk.tier import DiskTier
+from confkv_engine.cache.disk.sink import DiskSink
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, resolve_cache_bytes
 from confkv_engine.cache.layout import resolve_cache_dtype
 from confkv_engine.core.compression import CompressionControl
@@ -50,7 +50,7 @@ class EngineParts:
     cache_dtype: torch.dtype
     compile_seconds: float | None
     cache: KVCache
-    disk: DiskTier | None
+    disk: DiskSink | None
     retention: RetentionManager
     backend: RetentionAttention
     scheduler: Scheduler
@@ -81,8 +81,8 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     ev = config.confkv.eviction
     # The salt names what changes the stored K/V besides the tokens (dtypes are added by the cache).
     salt = f"{getattr(loaded, 'name', '')}|{args}".encode() if config.confkv.prefix_cache.enabled else None
-    # The disk tier (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
-    disk = DiskTier(eng.cache_dir) if eng.cache_dir and salt is not None else None
+    # The disk store (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
+    disk = DiskSink(eng.cache_dir) if eng.cache_dir and salt is not None else None
     cache = KVCache.from_budget(spec, resolve_cache_bytes(size, device), prefix_salt=salt,
                                 eviction_k=ev.k if ev.policy == "LRU-K" else 1, sink=disk)
     # Token-level retention (conf-kv and its peers). Retained sequences prefill in chunks of at most

@@ -18,7 +18,7 @@ the promised ones too, and when room is short the victims are unreserved sequenc
 
 At admission a sequence shares the longest cached prefix of its tokens (whole blocks, by reference
 count) and starts computing after it; the shared blocks count against the pool only when taking
-them removes evictable blocks. When the disk tier holds more of the prefix, the sequence first
+them removes evictable blocks. When the disk store holds more of the prefix, the sequence first
 waits for it to be read back (``cache.readback``: off the engine thread, holding no block) while
 the sequences behind it are admitted past it and running ones keep stepping; once the read ends,
 its blocks are installed and the sequence is admitted with the longer hit (or, if the read found
@@ -166,7 +166,7 @@ class Scheduler:
                 return False
 
     def _prefix_hits(self, seq: Sequence) -> PrefixHit | None:
-        """The cached blocks a waiting sequence may share; None while the disk tier reads more of
+        """The cached blocks a waiting sequence may share; None while the disk store reads more of
         them back (asked here, once per admission). Never its last token (its logits are needed),
         never for prompt logprobs (every prompt row is computed; documented in the README), and a
         retained sequence's replay never shares more than it did at first admission (its

@@ -59,7 +59,7 @@ class Sequence:
     admitted: bool = False  # admitted at least once (a replay after preemption keeps its first prefix)
     prefix_len: int = 0  # prompt tokens served by the prefix cache at first admission
     grammar: GrammarState | None = None  # structured output: made on first sampling
-    # The disk tier's read-back of blocks beyond its in-memory prefix hit, while in flight; the
+    # The disk store's read-back of blocks beyond its in-memory prefix hit, while in flight; the
     # disk is asked once per admission (``disk_asked``), so a failed read is never retried in a loop.
     disk_load: ChainLoad | None = None
     disk_asked: bool = False

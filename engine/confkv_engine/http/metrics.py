@@ -76,7 +76,7 @@ class _SnapshotCollector(Collector):
         yield CounterMetricFamily(_suffixless(names.PREFIX_CACHE_HIT_TOKENS),
                                   "Prompt tokens found in the prefix cache.", value=hits)
         yield CounterMetricFamily(_suffixless(names.CACHE_REBUILD_RECORDS_SKIPPED),
-                                  "Torn or corrupt disk-tier records skipped by index rebuilds.",
+                                  "Torn or corrupt disk-store records skipped by index rebuilds.",
                                   value=s.rebuild_records_skipped)
 
     def _scheduler(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

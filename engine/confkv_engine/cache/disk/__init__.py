@@ -2,7 +2,7 @@
 
 Owns the cache directory: record files (``format``, ``files``), the crash-consistent SQLite index
 (``index``), which blocks deserve the disk and which come back warm (``policy``), the store itself
-(``store.DiskStore``: spill, read back, rebuild after a restart) and ``tier.DiskTier``, the sink the
+(``store.DiskStore``: spill, read back, rebuild after a restart) and ``sink.DiskSink``, the sink the
 cache core spills evicted blocks into and reads chains back from off the engine thread.
 
 Imports the cache core's data types (``cache.prefix.CachedBlock``, the ``cache.readback`` contract)
@@ -11,7 +11,7 @@ and never the reverse: the cache core knows the disk only through its ``Eviction
 The names other rooms use are re-exported here.
 """
 
+from confkv_engine.cache.disk.sink import DiskSink
 from confkv_engine.cache.disk.store import DiskStore, RebuildReport, admit_reused, capacity_from_volume
-from confkv_engine.cache.disk.tier import DiskTier
 
-__all__ = ["DiskStore", "DiskTier", "RebuildReport", "admit_reused", "capacity_from_volume"]
+__all__ = ["DiskStore", "DiskSink", "RebuildReport", "admit_reused", "capacity_from_volume"]

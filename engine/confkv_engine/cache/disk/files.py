@@ -1,4 +1,4 @@
-"""Record files of the disk tier: write one, read one, scan them all (the log a rebuild reads).
+"""Record files of the disk store: write one, read one, scan them all (the log a rebuild reads).
 
 ``write_record`` writes a temporary file, fsyncs it and renames it into place, so a record file is
 complete or absent. ``scan_blocks`` reads every record file's header (and, when asked, its whole
@@ -38,7 +38,7 @@ def capacity_from_volume(directory: str | os.PathLike[str], fraction: float = 0.
     """A byte cap for a store in ``directory``: ``fraction`` of the volume's free space plus what
     record files there already use (so reopening a full store does not shrink it)."""
     if not 0 < fraction <= 1:
-        raise ValueError(f"the disk tier's share of its volume must be in (0, 1], got {fraction}")
+        raise ValueError(f"the disk store's share of its volume must be in (0, 1], got {fraction}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     used = sum(p.stat().st_size for p in (directory / "blocks").rglob(f"*{RECORD_SUFFIX}"))
@@ -125,7 +125,7 @@ def scan_blocks(blocks_dir: Path, verify_payloads: bool) -> ScanResult:
                     raise CorruptRecord("record file in the wrong folder or with a bad name")
                 result.headers.append(read_verified_header(path, key, verify_payloads))
             except (CorruptRecord, OSError) as exc:
-                log.warning("disk tier rebuild: skipping %s (%s)", path, exc)
+                log.warning("disk store rebuild: skipping %s (%s)", path, exc)
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
                 result.skipped += 1

@@ -1,4 +1,4 @@
-"""On-disk record format of the disk tier: one self-describing, checksummed file per block.
+"""On-disk record format of the disk store: one self-describing, checksummed file per block.
 
 A record file is ``PREFIX | body | payload``:
 

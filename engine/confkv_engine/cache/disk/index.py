@@ -1,4 +1,4 @@
-"""SQLite index of the disk tier: one row per record file, with the access history eviction uses.
+"""SQLite index of the disk store: one row per record file, with the access history eviction uses.
 
 SQLite in WAL mode (standard library, no server): readers never wait for the writer, a killed
 process leaves the database at its last commit, and ``synchronous=NORMAL`` is enough because the

@@ -1,10 +1,10 @@
-"""Disk tier policy: which evicted blocks deserve the disk, and which chains are hot for warm-up.
+"""Disk store policy: which evicted blocks deserve the disk, and which chains are hot for warm-up.
 
 Writing every evicted block wears the SSD for blocks that are never read again (one-shot prompt
 tails). The rule admits a block once it has been used ``min_uses`` times, counting the uses the
 cache manager reports plus how often the same key was offered before: a block that was evicted,
 recomputed by a later request and evicted again has shown it is reused even if each stay in memory
-saw one use. ``bench/cache/disk_tier.py`` measures disk hits per block written for several ``min_uses``:
+saw one use. ``bench/cache/disk_store.py`` measures disk hits per block written for several ``min_uses``:
 on its Zipf prefix workload, ``min_uses=2`` wrote 7x fewer blocks than admitting everything (392 vs
 2768) and kept three quarters of the disk hits (408 vs 544); ``min_uses=3`` halved writes again
 but lost another third of the hits. Hence the default of 2.

@@ -1,4 +1,4 @@
-"""Disk tier of the KV cache manager: evicted prefix blocks spill to a cache directory (NVMe in production).
+"""Disk store of the KV cache manager: evicted prefix blocks spill to a cache directory (NVMe in production).
 
 Layout of ``directory``::
 
@@ -9,7 +9,7 @@ Layout of ``directory``::
 **One file per block, not segments.** A block is 0.1-2 MB (16 tokens x all layers), so a file each
 costs little, and eviction is an ``unlink``: append-only segments would have to be compacted, i.e.
 rewritten, which is exactly the SSD wear the admission filter is there to spare. Writes cost the
-same: ``bench/cache/disk_tier.py`` measured a file per block (write, fsync, rename) at 276 records/s
+same: ``bench/cache/disk_store.py`` measured a file per block (write, fsync, rename) at 276 records/s
 against 263 for appends to a segment (write, fsync) with 190 KB blocks, both bound by the fsync.
 
 **Crash consistency.** A put writes ``<key>.blk.<n>.tmp``, fsyncs it, renames it to ``<key>.blk``,
@@ -126,7 +126,7 @@ class DiskStore:
                  admit: AdmissionRule = DEFAULT_ADMISSION, *, verify_on_open: bool = False,
                  durable: bool = True) -> None:
         if capacity_bytes <= 0:
-            raise ValueError(f"disk tier capacity must be positive, got {capacity_bytes} bytes")
+            raise ValueError(f"disk store capacity must be positive, got {capacity_bytes} bytes")
         self.directory = Path(directory)
         self.blocks_dir = self.directory / "blocks"
         self._capacity = int(capacity_bytes)
@@ -179,7 +179,7 @@ class DiskStore:
             write_record(self.blocks_dir, key, header, payload, f"{os.getpid()}-{next(self._tmp_ids)}",
                          durable=self._durable)
         except OSError as exc:
-            log.warning("disk tier: writing block %s failed: %s", key.hex(), exc)
+            log.warning("disk store: writing block %s failed: %s", key.hex(), exc)
             with self._lock:
                 self._release(key, size)
                 self._stats.write_errors += 1
@@ -251,7 +251,7 @@ class DiskStore:
     def set_capacity(self, capacity_bytes: int) -> int:
         """Change the byte cap live; returns how many records were evicted to meet it."""
         if capacity_bytes <= 0:
-            raise ValueError(f"disk tier capacity must be positive, got {capacity_bytes} bytes")
+            raise ValueError(f"disk store capacity must be positive, got {capacity_bytes} bytes")
         with self._lock:
             self._check_open()
             before = self._stats.evictions
@@ -276,7 +276,7 @@ class DiskStore:
         try:
             _header, payload = decode_record(data, key, row.digest)
         except CorruptRecord as exc:
-            log.warning("disk tier: block %s is corrupt (%s); dropped", key.hex(), exc)
+            log.warning("disk store: block %s is corrupt (%s); dropped", key.hex(), exc)
             self._drop_corrupt(key, row.gen)
             return None
         with self._lock:

@@ -1,4 +1,4 @@
-"""Disk tier benchmark: write patterns, DiskStore throughput, and what the admission rule buys.
+"""Disk store benchmark: write patterns, DiskStore throughput, and what the admission rule buys.
 
 1. Write patterns, each record fsynced before the next (what a crash-consistent put needs): an
    append-only segment (write + fsync) against one file per block (write + fsync + rename, and the
@@ -8,9 +8,9 @@
    in-memory LRU tier that spills into a ``DiskStore``; disk hits and bytes written for several
    ``min_uses`` (1 = every evicted block goes to disk).
 
-    .venv/bin/python -m bench.cache.disk_tier [--dir /path/on/nvme] [--quick]
+    .venv/bin/python -m bench.cache.disk_store [--dir /path/on/nvme] [--quick]
 
-Prints tables and writes bench/results/cache/disk_tier.json. Timings are of the filesystem under --dir.
+Prints tables and writes bench/results/cache/disk_store.json. Timings are of the filesystem under --dir.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp folder)")
     parser.add_argument("--quick", action="store_true", help="smaller runs")
-    parser.add_argument("--out", type=Path, default=results_dir("cache") / "disk_tier.json")
+    parser.add_argument("--out", type=Path, default=results_dir("cache") / "disk_store.json")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(dir=args.dir))
     scale = 1 if args.quick else 4

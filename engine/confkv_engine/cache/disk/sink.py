@@ -1,6 +1,6 @@
-"""The disk tier behind the prefix cache: evicted blocks spill to ``engine.cacheDir``, misses read back.
+"""The disk store behind the prefix cache: evicted blocks spill to ``engine.cacheDir``, misses read back.
 
-``DiskTier`` is the cache's ``EvictionSink``. A spill only copies the block's bytes and queues them:
+``DiskSink`` is the cache's ``EvictionSink``. A spill only copies the block's bytes and queues them:
 a writer thread does the checksummed, fsynced ``DiskStore.put`` (milliseconds each), so an engine
 step that evicts never waits for the disk. The store's admission rule keeps blocks used fewer than
 twice off the SSD. Reading back runs on a second thread of its own (``readback``): ``start_load``
@@ -32,19 +32,19 @@ QUEUE_LIMIT = 256  # spills waiting for the writer; beyond it new spills are dro
 
 
 @dataclass
-class DiskTierStats:
-    """What the tier itself did; the store's own figures (records, bytes, rebuilds) are ``store.stats()``."""
+class DiskSinkStats:
+    """What the sink itself did; the store's own figures (records, bytes, rebuilds) are ``store.stats()``."""
 
     spilled: int = 0
     dropped: int = 0
     loaded: int = 0  # blocks read back, verified and decoded by the reader
 
 
-class DiskTier:
+class DiskSink:
     def __init__(self, directory: str, capacity_bytes: int | None = None) -> None:
         capacity = capacity_bytes or capacity_from_volume(directory)
         self.store = DiskStore(directory, capacity)
-        self.stats = DiskTierStats()
+        self.stats = DiskSinkStats()
         self._queue: queue.Queue[tuple[CachedBlock, bytes, int] | None] = queue.Queue(QUEUE_LIMIT)
         self._writer = threading.Thread(target=self._write_loop, name="confkv-disk", daemon=True)
         self._writer.start()
@@ -70,7 +70,7 @@ class DiskTier:
                 if self.store.put(entry.key, entry.parent, list(entry.tokens), payload, uses=uses):
                     self.stats.spilled += 1
             except Exception:  # a full or failing disk loses cache entries, never requests
-                log.exception("disk tier write failed")
+                log.exception("disk store write failed")
             finally:
                 self._queue.task_done()
 
@@ -98,7 +98,7 @@ class DiskTier:
             try:
                 self._read(load)
             except Exception:  # a failing disk costs cache hits, never requests
-                log.exception("disk tier read failed")
+                log.exception("disk store read failed")
             finally:
                 load.done.set()  # however it ended: the waiting request is admitted with what landed
 
