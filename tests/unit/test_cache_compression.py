@@ -13,7 +13,7 @@ import torch
 from confkv_engine.attention.paged import PagedAttention
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.codec.blocks import decode_rows, encode_rows
-from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
+from confkv_engine.cache.kv_cache import CacheSpec, EvictionSink, KVCache, SeqKV
 from confkv_engine.cache.tiered import freeze_blocks, requantize_block, tier_pair_bytes
 from confkv_engine.core.compression import CompressionWorker
 
@@ -22,9 +22,9 @@ BS = 16
 
 
 def make_cache(num_blocks: int, dtype: torch.dtype = torch.float32, dims: tuple[int, int, int] = (2, 2, 32),
-               prefix: bool = False) -> KVCache:
+               prefix: bool = False, sink: EvictionSink | None = None) -> KVCache:
     spec = CacheSpec(dims[0], dims[1], dims[2], BS, dtype, torch.device("cpu"))
-    return KVCache(spec, num_blocks, prefix_salt=b"test" if prefix else None)
+    return KVCache(spec, num_blocks, prefix_salt=b"test" if prefix else None, sink=sink)
 
 
 def fill(cache: KVCache, seq: SeqKV, n: int, seed: int = 0) -> None:
@@ -190,8 +190,8 @@ class SpillRecorder:
 
 
 def test_prefix_hit_and_eviction_of_compressed_cached_entries() -> None:
-    cache = make_cache(9, prefix=True)  # 8 usable blocks
-    cache.sink = sink = SpillRecorder()
+    sink = SpillRecorder()
+    cache = make_cache(9, prefix=True, sink=sink)  # 8 usable blocks
     tokens, original = cached_chain(cache, 3)
     assert cache.num_free == 8 and len(cache.eviction) == 3
     assert cache.compress_cold(8, 64, cold_after=3600.0, limit=10).blocks == 0  # not cold yet

@@ -23,8 +23,7 @@ def sink(tmp_path: Path):
 
 def spill_hot(sink: DiskSink):
     """A cache whose HOT prefix (used twice, so the disk admits it) was evicted to ``sink``."""
-    cache = make_cache(9)
-    cache.sink = sink
+    cache = make_cache(9, sink=sink)
     serve(cache, HOT + [1])
     serve(cache, HOT + [2])
     serve(cache, list(range(500, 500 + 4 * BS)))  # needs the whole pool: HOT's entries are evicted

@@ -16,7 +16,7 @@ import torch
 from confkv_engine.cache import kv_cache as kv_cache_module
 from confkv_engine.cache import prefix as prefix_module
 from confkv_engine.cache.block_pool import NoFreeBlocks
-from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
+from confkv_engine.cache.kv_cache import CacheSpec, EvictionSink, KVCache, SeqKV
 from confkv_engine.cache.prefix import HitCounter
 
 BS = 4
@@ -24,8 +24,8 @@ SPEC = CacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=BS, dtype=
                  device=torch.device("cpu"))
 
 
-def make_cache(num_blocks: int, k: int = 2) -> KVCache:
-    return KVCache(SPEC, num_blocks, prefix_salt=b"test-model", eviction_k=k)
+def make_cache(num_blocks: int, k: int = 2, sink: EvictionSink | None = None) -> KVCache:
+    return KVCache(SPEC, num_blocks, prefix_salt=b"test-model", eviction_k=k, sink=sink)
 
 
 def write(cache: KVCache, seq: SeqKV, tokens: list[int]) -> None:

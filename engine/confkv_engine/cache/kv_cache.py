@@ -73,7 +73,7 @@ __all__ = ["CPU_AVAILABLE_CAP", "DEFAULT_CPU_CACHE_BYTES", "CacheSpec", "Compres
 
 
 class EvictionSink(Protocol):
-    """Where evicted prefix blocks go and come back from (``offload.DiskSink``); must not block long."""
+    """Where evicted prefix blocks go and come back from (``disk.sink.DiskSink``); must not block long."""
 
     def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
 
@@ -467,34 +467,9 @@ class KVCache:
         return table[slots // bs] * bs + slots % bs
 
     def plan_writes(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> WritePlan:
-        """Flat K and V slots of a step's new tokens (reserved already), and record their positions.
-
-        Python touches only the few table entries each sequence writes into; the per-token slots come
-        from a handful of tensor ops (``block[rel // bs] * bs + rel % bs``), whatever the token count."""
-        bs, dev = self.spec.block_size, self.kv.device
-        if all(n == 1 for n in num_new):  # decode: one slot per sequence, nothing per token to vectorise
-            k_one = [s.k_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
-            v_one = [s.v_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
-            return self.storage.record(WritePlan(torch.tensor(k_one, device=dev),
-                                                 torch.tensor(v_one, device=dev)), positions)
-        k_rows: list[int] = []
-        v_rows: list[int] = []
-        first: list[int] = []  # per sequence: where its entries start in k_rows
-        lead: list[int] = []  # per sequence: offset of its first new slot inside its first entry
-        for s, n in zip(seqs, num_new, strict=True):
-            lo, hi = s.num_slots // bs, -(-(s.num_slots + n) // bs)
-            first.append(len(k_rows) * bs)
-            lead.append(s.num_slots % bs)
-            k_rows.extend(s.k_blocks[lo:hi])
-            v_rows.extend(s.v_blocks[lo:hi])
-        counts = torch.tensor(num_new, dtype=torch.long)
-        starts = torch.cumsum(counts, 0) - counts
-        base = torch.tensor(first, dtype=torch.long) + torch.tensor(lead, dtype=torch.long) - starts
-        rel = torch.arange(int(counts.sum())) + torch.repeat_interleave(base, counts)  # [T]
-        block, offset = rel // bs, rel % bs
-        plan = WritePlan((torch.tensor(k_rows, dtype=torch.long)[block] * bs + offset).to(dev),
-                         (torch.tensor(v_rows, dtype=torch.long)[block] * bs + offset).to(dev))
-        return self.storage.record(plan, positions)
+        """Flat K and V slots of a step's new tokens (reserved already), their positions recorded
+        (``storage.DeviceKV.plan_writes``)."""
+        return self.storage.plan_writes(seqs, num_new, positions)
 
     def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor) -> None:
         """Store a step's new keys and values [T, Hkv, D] (compute dtype) in layer ``layer``'s slots,

@@ -5,7 +5,7 @@ Admission works in three moves, so no engine step ever waits for the disk:
 
 1. On the engine thread, ``KVCache.request_load`` computes the chain keys that continue a request's
    in-memory hit (hashing only, at most ``MAX_LOAD_BLOCKS``) and hands them to the sink
-   (``offload.DiskSink.start_load``), which answers at once: None when the disk has no record for
+   (``disk.sink.DiskSink.start_load``), which answers at once: None when the disk has no record for
    the chain's next block (the request is admitted now, as a miss), else a ``ChainLoad`` queued
    for its reader thread. The request stays waiting and holds no block meanwhile; requests behind
    it are admitted past it, and running ones keep stepping.

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.layout import CacheSpec, WritePlan, int8_rows, machine_cap, to_storage
+from confkv_engine.cache.layout import CacheSpec, SeqKV, WritePlan, int8_rows, machine_cap, to_storage
 
 
 class DeviceKV:
@@ -69,8 +69,9 @@ class DeviceKV:
 
     def block_scales(self, block: int) -> Tensor:
         """An int8 pool's scales of one block, [L, bs, Hkv] fp16."""
+        if self.scale is None:
+            raise ValueError("a float pool keeps no scales")
         bs = self.spec.block_size
-        assert self.scale is not None
         return self.scale[:, block * bs:(block + 1) * bs].contiguous()
 
     def set_block(self, block: int, data: Tensor, scales: Tensor | None = None) -> None:
@@ -79,6 +80,36 @@ class DeviceKV:
         if self.scale is not None and scales is not None:
             bs = self.spec.block_size
             self.scale[:, block * bs:(block + 1) * bs] = scales.to(self.kv.device)
+
+    def plan_writes(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> WritePlan:
+        """Flat K and V slots of a step's new tokens (reserved already), and record their positions.
+
+        Python touches only the few table entries each sequence writes into; the per-token slots come
+        from a handful of tensor ops (``block[rel // bs] * bs + rel % bs``), whatever the token count."""
+        bs, dev = self.spec.block_size, self.kv.device
+        if all(n == 1 for n in num_new):  # decode: one slot per sequence, nothing per token to vectorise
+            k_one = [s.k_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
+            v_one = [s.v_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
+            return self.record(WritePlan(torch.tensor(k_one, device=dev), torch.tensor(v_one, device=dev)),
+                               positions)
+        k_rows: list[int] = []
+        v_rows: list[int] = []
+        first: list[int] = []  # per sequence: where its entries start in k_rows
+        lead: list[int] = []  # per sequence: offset of its first new slot inside its first entry
+        for s, n in zip(seqs, num_new, strict=True):
+            lo, hi = s.num_slots // bs, -(-(s.num_slots + n) // bs)
+            first.append(len(k_rows) * bs)
+            lead.append(s.num_slots % bs)
+            k_rows.extend(s.k_blocks[lo:hi])
+            v_rows.extend(s.v_blocks[lo:hi])
+        counts = torch.tensor(num_new, dtype=torch.long)
+        starts = torch.cumsum(counts, 0) - counts
+        base = torch.tensor(first, dtype=torch.long) + torch.tensor(lead, dtype=torch.long) - starts
+        rel = torch.arange(int(counts.sum())) + torch.repeat_interleave(base, counts)  # [T]
+        block, offset = rel // bs, rel % bs
+        plan = WritePlan((torch.tensor(k_rows, dtype=torch.long)[block] * bs + offset).to(dev),
+                         (torch.tensor(v_rows, dtype=torch.long)[block] * bs + offset).to(dev))
+        return self.record(plan, positions)
 
     def record(self, plan: WritePlan, positions: Tensor) -> WritePlan:
         """Record the positions of a step's new tokens in their K slots."""

@@ -3,8 +3,8 @@
 Layout of ``directory``::
 
     LOCK                 flock'ed while a store is open (two engines must not share a directory)
-    index.sqlite3        the SQLite index (WAL mode), see ``disk_index``
-    blocks/xx/<key>.blk  one record file per block, see ``disk_format`` and ``disk_files``
+    index.sqlite3        the SQLite index (WAL mode), see ``index``
+    blocks/xx/<key>.blk  one record file per block, see ``format`` and ``files``
 
 **One file per block, not segments.** A block is 0.1-2 MB (16 tokens x all layers), so a file each
 costs little, and eviction is an ``unlink``: append-only segments would have to be compacted, i.e.
@@ -28,7 +28,7 @@ format version are deleted and counted in ``RebuildReport.skipped``; hit statist
 records are carried over from the old index when it is readable. ``rebuild()`` does the same on demand
 (verifying payloads by default).
 
-**Admission.** Not every evicted block deserves the SSD: by default (``disk_policy``) a block is
+**Admission.** Not every evicted block deserves the SSD: by default (``policy``) a block is
 written once it has been used twice, as NVIDIA Dynamo's KV block manager filters disk offload.
 
 **Threads.** A writer lock guards the index and the counters; file writes, reads and checksums run
