@@ -13,7 +13,8 @@ index is rebuilt from: the SQLite index is derived data plus hit statistics. BLA
 the payload because its digest also sits in the index, where it must tell two payloads apart, and the
 standard library computes it at memory speed for blocks of this size.
 
-Everything here is pure (bytes in, values or ``CorruptRecord`` out); file I/O lives in ``files`` and ``store``.
+Everything here is pure (bytes in, values or ``CorruptRecord`` out); file I/O lives in ``files`` and
+``store``.
 """
 
 from __future__ import annotations
