@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv_engine.cache.eviction import LRUK
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
 
 BLOCK_SIZE = 16
@@ -32,8 +31,9 @@ def replay(trace: list[list[int]], cache_blocks: int, k: int, block_size: int = 
     """Serve ``trace`` serially through a real ``KVCache`` holding ``cache_blocks`` K/V block pairs."""
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size,
                      dtype=torch.float32, device=torch.device("cpu"))
-    cache = KVCache(spec, 2 * cache_blocks + 1, prefix_salt=b"bench", eviction_k=k)
-    cache.eviction = LRUK(k, chain_history=chain_history)  # the engine's default, or the paper's
+    # chain history on: the engine's default; off: the paper's LRU-K
+    cache = KVCache(spec, 2 * cache_blocks + 1, prefix_salt=b"bench", eviction_k=k,
+                    chain_history=chain_history)
     registered = 0
     for tokens in trace:
         seq = SeqKV()

@@ -85,10 +85,11 @@ class EvictionSink(Protocol):
 
 class KVCache:
     def __init__(self, spec: CacheSpec, num_blocks: int, prefix_salt: bytes | None = None,
-                 eviction_k: int = 2, sink: EvictionSink | None = None) -> None:
+                 eviction_k: int = 2, sink: EvictionSink | None = None, chain_history: bool = True) -> None:
         """``prefix_salt``: None turns the prefix cache off; else it names what changes stored K/V
         besides the tokens (model, dtype), so two models never share an entry. ``sink``: where
-        evicted prefix blocks go (the disk store), None for none."""
+        evicted prefix blocks go (the disk store), None for none. ``chain_history`` False: the
+        paper's LRU-K, without the chain history new blocks otherwise inherit (a benchmark peer)."""
         self.spec = spec
         self.pool = BlockPool(num_blocks)
         # The stored bytes depend on the storage dtype and, when it differs, on the dtype K/V were
@@ -97,7 +98,7 @@ class KVCache:
         layout = f"|{spec.dtype}{computed}|{spec.block_size}".encode()
         salt = None if prefix_salt is None else prefix_salt + layout
         self.prefix = None if salt is None else PrefixIndex(salt)
-        self.eviction = LRUK(eviction_k)
+        self.eviction = LRUK(eviction_k, chain_history=chain_history)
         self.hits = HitCounter()
         self._clock = 0  # one tick per prefix lookup that admits a request
         self.sink = sink
