@@ -30,9 +30,10 @@ import torch
 
 from confkv_api.config import CompressionSection, ConfKVConfig, ConfKVSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
-from confkv_engine.cache.kv_cache import CacheSpec, CompressResult, KVCache, resolve_cache_bytes
-from confkv_engine.cache.layout import requested_cache_bytes, resolve_cache_dtype
+from confkv_engine.cache.kv_cache import CacheSpec, CompressResult, KVCache
+from confkv_engine.cache.layout import resolve_cache_dtype
 from confkv_engine.cache.offload import DiskTier
+from confkv_engine.cache.planner import requested_pool_bytes
 from confkv_engine.core import sampling
 from confkv_engine.core.compression import CompressionControl
 from confkv_engine.core.control_api import (
@@ -46,6 +47,7 @@ from confkv_engine.core.control_api import (
     PolicyRejected,
 )
 from confkv_engine.core.faults import OomFault
+from confkv_engine.core.memory_profile import plan_startup_memory
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import Scheduler
@@ -101,7 +103,9 @@ class LLMEngine:
         # The salt names what changes the stored K/V besides the tokens (dtypes are added by the cache).
         salt = f"{getattr(loaded, 'name', '')}|{args}".encode()
         salt = salt if config.confkv.prefix_cache.enabled else None
-        self.cache = KVCache.from_budget(spec, resolve_cache_bytes(size, self.device), prefix_salt=salt,
+        # Weights, the profiled activation peak, the decode gather bound and a reserve come off first.
+        self.memory_plan = plan_startup_memory(self.model, spec, eng, self.max_model_len, size)
+        self.cache = KVCache.from_budget(spec, self.memory_plan.pool_bytes, prefix_salt=salt,
                                          eviction_k=ev.k if ev.policy == "LRU-K" else 1)
         # The disk tier (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
         self.disk: DiskTier | None = None
@@ -114,7 +118,7 @@ class LLMEngine:
         interval = decision_interval(spec.block_size, chunk)
         self.retention = RetentionManager(self.cache, args.num_heads,
                                           retention or config_from_section(config.confkv, interval), chunk)
-        self.backend = RetentionAttention(self.cache, args.num_heads)
+        self.backend = RetentionAttention(self.cache, args.num_heads, self.memory_plan.gather_bytes)
         # Admission reserves a binding budget, not the full length, and chunks of retained sequences
         # never cross a decision point, so replays are exact.
         self.scheduler = Scheduler(self.cache, self.retention, eng.max_batch_size,
@@ -391,7 +395,10 @@ class LLMEngine:
         inside it). A size the machine cannot hold is refused here, not capped as at start-up: the
         caller asked for a pool it would not get."""
         size = parse_size(max_cache_size) if max_cache_size else None
-        wanted = requested_cache_bytes(size, self.device, pool_bytes=self.cache.allocated_bytes)
+        try:  # a fraction is of total memory less the start-up plan's weights, activations and reserve
+            wanted = requested_pool_bytes(self.memory_plan, size)
+        except ValueError as err:
+            raise CapacityInUse(f"maxCacheSize {max_cache_size!r} refused: {err}") from None
         try:
             self.cache.resize(wanted // self.cache.spec.block_bytes - 1)  # less the null block
         except ValueError as err:
