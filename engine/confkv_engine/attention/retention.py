@@ -60,12 +60,12 @@ class RetentionAttention(PagedAttention):
                    states: list[RetainedSequence | None] | None = None) -> None:
         super().begin_step(seqs, num_new, positions)
         states = states or [None] * len(seqs)
-        pos_cpu = positions.cpu()
-        start = 0
-        for st, n in zip(states, num_new, strict=True):
-            if st is not None:
-                st.on_append(pos_cpu[start:start + n])
-            start += n
+        if any(st is not None for st in states):  # one read-back per step, and none without retention
+            pos_cpu, start = positions.cpu(), 0
+            for st, n in zip(states, num_new, strict=True):
+                if st is not None:
+                    st.on_append(pos_cpu[start:start + n])
+                start += n
         self._dec_states = [states[i] for i in self.decode_index]
         self._states = states
 

@@ -131,15 +131,16 @@ class RetentionState:
 
     # ---- feeding ------------------------------------------------------------------------------
     def on_append(self, positions: Tensor) -> None:
-        """New tokens (absolute ``positions`` [T]) were appended to every unit as FULL."""
+        """New tokens (absolute ``positions`` [T], a host tensor: the backend reads a step's positions
+        back once for every sequence) were appended to every unit as FULL."""
         t = positions.numel()
         lh = (self.num_layers, self.num_kv_heads, t)
-        self.pos = torch.cat([self.pos, positions.cpu().long().expand(lh)], -1)
+        self.pos = torch.cat([self.pos, positions.long().expand(lh)], -1)
         self.tiers = torch.cat([self.tiers, torch.zeros(lh, dtype=torch.int8)], -1)
         self.acc = torch.cat([self.acc, torch.zeros(lh)], -1)
         self.norm = torch.cat([self.norm, torch.zeros(lh)], -1)
         if self.wants_probs:
-            self.q_ring_pos.append(positions.cpu().long())
+            self.q_ring_pos.append(positions.long())
 
     def on_queries(self, layer: int, q: Tensor) -> None:
         """Post-RoPE queries [T, Hq, D] of this step at ``layer``, scored at the next decision."""
