@@ -7,6 +7,9 @@ A decode step on a GPU waits on the host each time a tensor's value is read back
 duration), whatever the tensor's device: an upper bound of what a GPU would pay, since a host-built
 tensor read back there costs nothing. Each event is recorded with the engine source line it came from.
 
+Explicit waits are counted too: ``retention.scoring.host_copies_done`` (a stream synchronisation on
+CUDA, a no-op here) is patched to record a ``wait``.
+
 Host-to-device copies are counted apart (``h2d``): ``torch.tensor(data, device=...)`` with a device
 given, the engine's way of sending step metadata, which on CUDA is a copy from pageable memory that
 waits for the stream (pinned buffers and ``non_blocking`` copies would not).
@@ -21,6 +24,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from confkv_engine.retention import scoring
 
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
 _READ_BACKS = ("tolist", "numpy", "cpu")
@@ -59,14 +64,23 @@ class SyncCounter(TorchDispatchMode):
             setattr(torch.Tensor, name, self._recording(name, original))
         self._saved["tensor"] = torch.tensor
         torch.tensor = self._sending(torch.tensor)
+        self._saved["wait"] = scoring.host_copies_done
+        scoring.host_copies_done = self._waiting(scoring.host_copies_done)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         torch.tensor = self._saved.pop("tensor")
+        scoring.host_copies_done = self._saved.pop("wait")
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
         self._saved.clear()
+
+    def _waiting(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wait(*args: Any, **kwargs: Any) -> Any:
+            self.events.append(("wait", _engine_frame()))
+            return original(*args, **kwargs)
+        return wait
 
     def _sending(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def send(*args: Any, **kwargs: Any) -> Any:

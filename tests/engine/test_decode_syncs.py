@@ -1,8 +1,9 @@
 """Host synchronisations per decode step, counted on this CPU (``tests/drivers/sync_count.py`` says
 how): outside decision steps a ``full`` step reads back only the sampled ids and a ``conf-kv`` one
 also the step's positions (once, for every sequence's retention state). What is not reached yet is
-recorded exactly and marked as an expected failure with its reason: decision steps read the
-attention signal back per layer and per sequence, and step metadata is sent from pageable memory."""
+recorded exactly and marked as an expected failure with its reason: decision steps wait for the
+attention signal once per sequence (all layers in one pinned buffer), and step metadata is sent from
+pageable memory."""
 
 from __future__ import annotations
 
@@ -69,17 +70,20 @@ def test_conf_kv_decode_step_outside_decisions_reads_back_at_most_twice(steps, p
 
 @pytest.mark.parametrize("policy,per_sequence", [("conf-kv", 0), ("conf-kv+tiers", 1)])
 def test_decision_step_read_backs_today(steps, policy: str, per_sequence: int) -> None:
-    """Recorded exactly: the attention signal's probabilities and query positions come back per
-    layer and per sequence (2 x 2 layers x 4), precision tiers add one list per sequence."""
+    """Recorded exactly: one wait per sequence for its attention signal (every layer's probabilities
+    copied into one host buffer; it was 2 read-backs per layer per sequence), precision tiers add one
+    list per sequence."""
     decisions = [c for decision, c in steps[policy] if decision]
     assert decisions
     for counter in decisions:
-        assert len(counter.syncs()) == 2 + 2 * 2 * SEQS + per_sequence * SEQS
+        kinds = _kinds(counter.syncs())
+        assert kinds[("wait", "retention/scoring.py")] == SEQS
+        assert len(counter.syncs()) == 2 + SEQS + per_sequence * SEQS
 
 
-@pytest.mark.xfail(strict=True, reason="scoring reads the attention probabilities back per layer and "
-                   "per sequence (retention.runtime.on_attention); a device-resident accumulator read "
-                   "once per decision step is not built yet")
+@pytest.mark.xfail(strict=True, reason="scoring waits for the attention probabilities once per "
+                   "sequence (retention.scoring.score_pending); device-resident accumulators read back "
+                   "once per decision step are not built yet")
 def test_decision_step_reads_back_once(steps) -> None:
     for counter in [c for decision, c in steps["conf-kv"] if decision]:
         assert len(counter.syncs()) <= 3

@@ -159,11 +159,12 @@ class RetentionState:
         return out, pos
 
     def on_attention(self, layer: int, probs: Tensor, query_pos: Tensor) -> None:
-        """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer."""
+        """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer, and the
+        queries' positions [T], both on the host (as the accumulators)."""
         s = probs.shape[-1]
         self.last_query[layer] = scorer.update_attention(
-            self.acc[layer, :, :s], self.norm[layer, :, :s], probs.float().cpu(), self.pos[layer, :, :s],
-            query_pos.cpu().long(), self.last_query[layer], self.cfg.scorer.decay)
+            self.acc[layer, :, :s], self.norm[layer, :, :s], probs.float(), self.pos[layer, :, :s],
+            query_pos.long(), self.last_query[layer], self.cfg.scorer.decay)
 
     def on_sampling(self, first_position: int, confidences: list[float]) -> None:
         """Sampling confidence of the tokens at ``first_position``, ``first_position + 1``..."""
