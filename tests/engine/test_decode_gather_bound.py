@@ -15,7 +15,12 @@ from confkv_api.config import ConfKVConfig, EngineSection
 from confkv_engine.attention.paged import PagedAttention, gather_slot_bytes
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
 from confkv_engine.core.engine import LLMEngine
-from confkv_engine.core.memory_profile import profile_lengths, run_profile_step, weights_bytes
+from confkv_engine.core.memory_profile import (
+    activation_peak,
+    profile_lengths,
+    run_profile_step,
+    weights_bytes,
+)
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model.loader import load_model
 from tests.engine.tiny_models import make_tiny_hf_model
@@ -105,3 +110,12 @@ def test_profiling_step_runs_the_largest_step_and_engine_logs_its_plan(tmp_path:
     core.backend.max_gather_bytes = gather_slot_bytes(core.cache.spec) * 160
     split = [o.output_token_ids for o in core.generate(prompts, params)]
     assert split == free
+
+
+def test_activation_peak_arithmetic() -> None:
+    """The CUDA allocator's counters as ``measure_activation_peak`` reads them (no GPU here): weights
+    61 GiB before, 63 GiB allocated at the peak of which 0.25 GiB is the temporary cache, 63.5 GiB
+    reserved."""
+    gib = 1 << 30
+    assert activation_peak(61 * gib, 63 * gib, 63 * gib + gib // 2, gib // 4) == gib * 7 // 4 + gib // 2
+    assert activation_peak(10, 5, 5, 0) == 0  # never negative

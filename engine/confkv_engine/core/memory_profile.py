@@ -80,10 +80,17 @@ def measure_activation_peak(model: LlamaForCausalLM, spec: CacheSpec, engine: En
     base = torch.cuda.memory_allocated(spec.device)
     cache_bytes = run_profile_step(model, spec, profile_lengths(engine), engine.max_batch_size)
     torch.cuda.synchronize(spec.device)
-    peak = torch.cuda.max_memory_allocated(spec.device) - base - cache_bytes
-    slack = torch.cuda.max_memory_reserved(spec.device) - torch.cuda.max_memory_allocated(spec.device)
+    peak = activation_peak(base, torch.cuda.max_memory_allocated(spec.device),
+                           torch.cuda.max_memory_reserved(spec.device), cache_bytes)
     torch.cuda.empty_cache()
-    return max(0, peak) + max(0, slack)
+    return peak
+
+
+def activation_peak(base: int, peak_allocated: int, peak_reserved: int, temporary: int) -> int:
+    """The step's own peak: allocated at the peak less what was there before (the weights) and the
+    temporary cache, plus what the caching allocator reserved beyond its peak allocation (memory
+    the pool cannot have either)."""
+    return max(0, peak_allocated - base - temporary) + max(0, peak_reserved - peak_allocated)
 
 
 def plan_startup_memory(model: LlamaForCausalLM, spec: CacheSpec, engine: EngineSection, max_model_len: int,
