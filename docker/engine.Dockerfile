@@ -3,11 +3,8 @@
 #
 #   docker build -f docker/engine.Dockerfile -t ghcr.io/confkv/confkv:0.1.0 .
 #
-# CPU by default. For NVIDIA GPUs build with a CUDA wheel index; PyTorch's CUDA wheels bundle the CUDA
-# runtime, so the slim base stays and the node only needs the driver (mounted by the NVIDIA device plugin):
-#
-#   docker build -f docker/engine.Dockerfile \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t ghcr.io/confkv/confkv:0.1.0-cu128 .
+# CPU only (torch's CPU wheel). The NVIDIA GPU image, ghcr.io/confkv/confkv:<version>-cuda, is built
+# from engine-cuda.Dockerfile: the same instructions with torch's CUDA wheel pinned.
 
 # Base image: pinned by tag, not by digest. A digest is only worth committing once it has been resolved
 # against the registry and the image verified, and no registry was reachable where this file is

@@ -98,7 +98,8 @@ class ModelSection(_Model):
     hf_id: str | None = None
     served_name: str | None = None
     served_aliases: list[str] = Field(default_factory=list)  # more names clients may send
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on CUDA (float16 where the GPU has no bf16), float32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # How linear layers are served: auto keeps a GGUF's quantized tensors quantized on CPU
     # (int4 / int8 kernels, bf16 activations where native); fp32 / bf16 expand them (see loader).
     weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from confkv_agent.launcher import AgentProcess
 
 EXIT_BAD_CONFIG = 2
+EXIT_NO_DEVICE = 3  # device: cuda asked for, no usable CUDA device (a pod's restart says why)
+TERMINATION_LOG = "/dev/termination-log"  # Kubernetes shows it in the container's terminated state
 
 # flag dest -> (config section, snake_case field)
 _OVERRIDES: dict[str, tuple[str, str]] = {
@@ -75,9 +77,11 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
              "(default: derived from the model)")
     add("--host", help="listen address (default 127.0.0.1)")
     add("--port", type=int, help="listen port (default 8000)")
-    add("--device", choices=["auto", "cpu", "cuda"], help="default auto: cuda when available")
-    add("--dtype", choices=["float32", "bfloat16", "float16"],
-        help="weights and activations dtype (and the KV cache's with --kv-cache-dtype auto)")
+    add("--device", choices=["auto", "cpu", "cuda"],
+        help="default auto: cuda when a CUDA device is usable, else cpu; cuda without one is an error")
+    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations dtype (and the KV cache's with --kv-cache-dtype auto); "
+             "auto (default): bfloat16 on CUDA (float16 without bf16), float32 on CPU")
     add("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"],
         help="linear layers: auto (default: a quantized GGUF stays quantized on CPU), fp32, bf16, int8, int4")
     add("--compile", action="store_const", const=True,
@@ -88,7 +92,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--prefill-chunk", type=int, help="prompt tokens prefilled per step per sequence (default 512)")
     add("--max-waiting", type=int, help="requests allowed to wait before new ones get 429 (default 256)")
     add("--max-cache-size",
-        help="KV pool size: bytes ('512Mi', '2G') or a fraction of device memory ('80%%')")
+        help="KV pool size: bytes ('512Mi', '2G') or a fraction of TOTAL device memory ('80%%', as "
+             "vLLM's gpu_memory_utilization): the pool gets that share less the weights, the profiled "
+             "activation peak and a reserve")
     add("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32", "int8", "fp8"],
         help="KV pool storage dtype (as vLLM): auto (default) = --dtype; fp8 = float8 e4m3, scale 1.0; "
              "int8 = symmetric with an fp16 scale per token and KV head")
@@ -177,6 +183,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"confkv: invalid --threads / CONFKV_THREADS: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    device_error = _device_error(config.engine.device)
+    if device_error is not None:
+        print(f"confkv: {device_error}", file=sys.stderr)
+        _write_termination_message(device_error)
+        return EXIT_NO_DEVICE
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from confkv_engine.server import run_server
@@ -194,6 +205,32 @@ def serve(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     logging.shutdown()
     os._exit(status)
+
+
+def _device_error(device: str) -> str | None:
+    """Checked before anything starts, so ``--device cuda`` on a machine without CUDA fails in
+    seconds rather than after the control plane and the HTTP port came up."""
+    if device == "cpu":
+        return None
+    from confkv_engine.model.loader import DeviceUnavailable, resolve_device
+
+    try:
+        resolve_device(device)
+    except DeviceUnavailable as err:
+        return str(err)
+    return None
+
+
+def _write_termination_message(message: str) -> None:
+    """In a pod, the reason the engine exited becomes the container's termination message, which
+    the operator and ``kubectl describe`` show; elsewhere the file does not exist and nothing is written."""
+    if not os.path.isfile(TERMINATION_LOG):  # never create it outside a pod
+        return
+    try:
+        with open(TERMINATION_LOG, "w") as out:
+            out.write(message)
+    except OSError:
+        pass
 
 
 def _start_agent(args: argparse.Namespace, config: ConfKVConfig) -> AgentProcess:

@@ -96,8 +96,9 @@ class ServerState:
             from confkv_engine.model.loader import load_model, resolve_device, resolve_dtype
 
             cfg = self.config
-            loaded = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype),
-                                resolve_device(cfg.engine.device), weights=cfg.model.weights)
+            device = resolve_device(cfg.engine.device)
+            loaded = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype, device), device,
+                                weights=cfg.model.weights)
             core = LLMEngine(loaded, cfg)
             engine = AsyncEngine(core,
                                  on_finished=self.metrics.observe_finished,

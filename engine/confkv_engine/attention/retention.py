@@ -29,7 +29,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from confkv_engine.attention.paged import PagedAttention, PrefillPlan
+from confkv_engine.attention.paged import DecodePlan, PagedAttention, PrefillPlan
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
 
 
@@ -51,8 +51,8 @@ class RetainedSequence(Protocol):
 
 
 class RetentionAttention(PagedAttention):
-    def __init__(self, cache: KVCache, num_q_heads: int) -> None:
-        super().__init__(cache, num_q_heads)
+    def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None) -> None:
+        super().__init__(cache, num_q_heads, max_gather_bytes)
         self._dec_states: list[RetainedSequence | None] = []
         self._states: list[RetainedSequence | None] = []
 
@@ -60,20 +60,20 @@ class RetentionAttention(PagedAttention):
                    states: list[RetainedSequence | None] | None = None) -> None:
         super().begin_step(seqs, num_new, positions)
         states = states or [None] * len(seqs)
-        pos_cpu = positions.cpu()
-        start = 0
-        for st, n in zip(states, num_new, strict=True):
-            if st is not None:
-                st.on_append(pos_cpu[start:start + n])
-            start += n
+        if any(st is not None for st in states):  # one read-back per step, and none without retention
+            pos_cpu, start = positions.cpu(), 0
+            for st, n in zip(states, num_new, strict=True):
+                if st is not None:
+                    st.on_append(pos_cpu[start:start + n])
+                start += n
         self._dec_states = [states[i] for i in self.decode_index]
         self._states = states
 
-    def _attend_decode(self, layer: int, q: Tensor) -> Tensor:
-        for i, st in enumerate(self._dec_states):
+    def _attend_decode(self, layer: int, q: Tensor, plan: DecodePlan) -> Tensor:
+        for i, st in enumerate(self._dec_states[plan.rows]):
             if st is not None and st.wants_probs:
                 st.on_queries(layer, q[i:i + 1])
-        return super()._attend_decode(layer, q)
+        return super()._attend_decode(layer, q, plan)
 
     def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         st = self._states[p.index]
@@ -81,8 +81,8 @@ class RetentionAttention(PagedAttention):
             st.on_queries(layer, q)
         return super()._attend_prefill(layer, p, q, k, v)
 
-    def _decode_values(self, layer: int, vals: Tensor) -> Tensor:
-        for i, st in enumerate(self._dec_states):
+    def _decode_values(self, layer: int, vals: Tensor, rows: slice) -> Tensor:
+        for i, st in enumerate(self._dec_states[rows]):
             if st is not None and st.n_key:
                 vals[i, :, st.key_start:st.key_start + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
         return vals

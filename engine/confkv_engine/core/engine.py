@@ -63,6 +63,7 @@ class LLMEngine(EngineControlSurface):
         self.cache, self.disk, self.retention, self.backend = p.cache, p.disk, p.retention, p.backend
         self.scheduler, self.compression_control, self.lock = p.scheduler, p.compression, p.lock
         self.max_waiting = p.max_waiting
+        self.memory_plan = p.memory_plan  # the start-up plan (weights, activations, pool, reserve)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._ret_logits: dict[Sequence, torch.Tensor] = {}

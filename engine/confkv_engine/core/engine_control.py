@@ -16,7 +16,7 @@ import torch
 from confkv_api.config import CompressionSection, ConfKVSection, parse_size
 from confkv_engine.cache.disk.sink import DiskSink
 from confkv_engine.cache.kv_cache import CompressResult, KVCache
-from confkv_engine.cache.layout import requested_cache_bytes
+from confkv_engine.cache.planner import MemoryPlan, requested_pool_bytes
 from confkv_engine.core.compression import CompressionControl
 from confkv_engine.core.control_api import (
     BATCH_FIELD,
@@ -43,6 +43,7 @@ class EngineControlSurface:
     compression_control: CompressionControl
     lock: threading.RLock
     device: torch.device
+    memory_plan: MemoryPlan
     num_oom: int
     prompt_tokens_total: int
     generated_tokens_total: int
@@ -72,7 +73,10 @@ class EngineControlSurface:
         inside it). A size the machine cannot hold is refused here, not capped as at start-up: the
         caller asked for a pool it would not get."""
         size = parse_size(max_cache_size) if max_cache_size else None
-        wanted = requested_cache_bytes(size, self.device, pool_bytes=self.cache.allocated_bytes)
+        try:  # a fraction is of total memory less the start-up plan's weights, activations and reserve
+            wanted = requested_pool_bytes(self.memory_plan, size)
+        except ValueError as err:
+            raise CapacityInUse(f"maxCacheSize {max_cache_size!r} refused: {err}") from None
         try:
             self.cache.resize(wanted // self.cache.spec.block_bytes - 1)  # less the null block
         except ValueError as err:

@@ -19,9 +19,11 @@ import torch
 from confkv_api.config import ConfKVConfig, parse_size
 from confkv_engine.attention.retention import RetentionAttention
 from confkv_engine.cache.disk.sink import DiskSink
-from confkv_engine.cache.kv_cache import CacheSpec, KVCache, resolve_cache_bytes
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache
 from confkv_engine.cache.layout import resolve_cache_dtype
+from confkv_engine.cache.planner import MemoryPlan
 from confkv_engine.core.compression import CompressionControl
+from confkv_engine.core.memory_profile import plan_startup_memory
 from confkv_engine.core.scheduler import Scheduler
 from confkv_engine.model.compiled import compile_elementwise
 from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
@@ -57,6 +59,7 @@ class EngineParts:
     compression: CompressionControl
     lock: threading.RLock
     max_waiting: int
+    memory_plan: MemoryPlan
 
 
 def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | None = None) -> EngineParts:
@@ -83,7 +86,9 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     salt = f"{getattr(loaded, 'name', '')}|{args}".encode() if config.confkv.prefix_cache.enabled else None
     # The disk store (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
     disk = DiskSink(eng.cache_dir) if eng.cache_dir and salt is not None else None
-    cache = KVCache.from_budget(spec, resolve_cache_bytes(size, device), prefix_salt=salt,
+    # Weights, the profiled activation peak, the decode gather bound and a reserve come off first.
+    memory_plan = plan_startup_memory(model, spec, eng, max_model_len, size)
+    cache = KVCache.from_budget(spec, memory_plan.pool_bytes, prefix_salt=salt,
                                 eviction_k=ev.k if ev.policy == "LRU-K" else 1, sink=disk)
     # Token-level retention (conf-kv and its peers). Retained sequences prefill in chunks of at most
     # confkv.decisionInterval tokens.
@@ -100,6 +105,6 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
         vocab_size=args.vocab_size, max_model_len=max_model_len,
         eos_token_ids=tuple(getattr(loaded, "eos_token_ids", ()) or ()), device=device, dtype=dtype,
         cache_dtype=cache_dtype, compile_seconds=compile_seconds, cache=cache, disk=disk, retention=manager,
-        backend=RetentionAttention(cache, args.num_heads), scheduler=scheduler,
+        backend=RetentionAttention(cache, args.num_heads, memory_plan.gather_bytes), scheduler=scheduler,
         compression=CompressionControl(cache, lock, device, config.confkv.compression), lock=lock,
-        max_waiting=eng.max_waiting)
+        max_waiting=eng.max_waiting, memory_plan=memory_plan)

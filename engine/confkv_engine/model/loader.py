@@ -22,8 +22,10 @@ to the row-count table of ``kernels`` (a dense copy of the same values serves lo
 
 from __future__ import annotations
 
+import ctypes.util
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +55,8 @@ _DTYPES = {
 }
 
 WEIGHT_MODES = ("auto", "fp32", "bf16", "int8", "int4")
-__all__ = ["LoadedModel", "WEIGHT_MODES", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
-           "builtin_path"]
+__all__ = ["DeviceUnavailable", "LoadedModel", "WEIGHT_MODES", "ModelLoadError", "load_model",
+           "resolve_device", "resolve_dtype", "cuda_unavailable_reason", "builtin_path"]
 
 
 @dataclass
@@ -71,28 +73,64 @@ class LoadedModel:
     kernel_table: str | None = None  # 'derived' / 'measured' when linears are quantized
 
 
+class DeviceUnavailable(RuntimeError):
+    """``device: cuda`` asked for where no usable CUDA device exists: an error, never a CPU fallback
+    (a pod that holds a GPU and serves on its CPU is worse than one that says why it cannot start)."""
+
+
 def resolve_device(name: str = "auto") -> str:
-    """'auto' -> 'cuda' when available else 'cpu'; 'cuda[:N]' without CUDA falls back to 'cpu' (logged)."""
+    """'auto' -> 'cuda' when a CUDA device is usable, else 'cpu'; 'cuda[:N]' without one raises
+    ``DeviceUnavailable`` saying what was found (a CPU-only torch build, no driver, no device visible)."""
     name = (name or "auto").strip().lower()
     if name == "cpu":
         return "cpu"
     if name != "auto" and not name.startswith("cuda"):
         raise ValueError(f"unknown device {name!r}: use 'auto', 'cpu' or 'cuda'")
-    if torch.cuda.is_available():
+    reason = cuda_unavailable_reason(name)
+    if reason is None:
         return "cuda" if name == "auto" else name
-    if name != "auto":
-        log.warning("device %r requested but CUDA is not available; using CPU", name)
-    return "cpu"
+    if name == "auto":
+        return "cpu"
+    raise DeviceUnavailable(f"device {name} requested but {reason}")
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """'float32'/'fp32', 'bfloat16'/'bf16', 'float16'/'fp16' (or a torch dtype) -> torch dtype."""
+def cuda_unavailable_reason(name: str = "cuda") -> str | None:
+    """None when ``name`` ('cuda', 'cuda:N' or 'auto') names a usable CUDA device, else what was found.
+    The checks go from the build outwards, so the message names the first missing piece."""
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support (a CPU-only build)"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not torch.cuda.is_available():
+        if not _nvidia_driver_present():
+            return (f"no NVIDIA driver was found (torch {torch.__version__} is built for CUDA "
+                    f"{torch.version.cuda}; /proc/driver/nvidia and libcuda are absent)")
+        if visible is not None and visible.strip() in ("", "-1", "none", "void"):
+            return f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible!r})"
+        return "the NVIDIA driver is present but no CUDA device is visible to this process"
+    index = torch.device(name).index if name.startswith("cuda:") else None
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        return f"only {count} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES={visible!r})"
+    return None
+
+
+def _nvidia_driver_present() -> bool:
+    return Path("/proc/driver/nvidia/version").exists() or ctypes.util.find_library("cuda") is not None
+
+
+def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """'float32'/'fp32', 'bfloat16'/'bf16', 'float16'/'fp16' (or a torch dtype) -> torch dtype.
+    'auto': bfloat16 on CUDA (float16 where the device has no bf16), float32 on CPU."""
     if isinstance(name, torch.dtype):
         check_dtype(name)
         return name
     key = name.strip().lower().removeprefix("torch.")
+    if key == "auto":
+        if not device.startswith("cuda"):
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use float32, bfloat16 or float16")
+        raise ValueError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")
     return _DTYPES[key]
 
 

@@ -131,15 +131,16 @@ class RetentionState:
 
     # ---- feeding ------------------------------------------------------------------------------
     def on_append(self, positions: Tensor) -> None:
-        """New tokens (absolute ``positions`` [T]) were appended to every unit as FULL."""
+        """New tokens (absolute ``positions`` [T], a host tensor: the backend reads a step's positions
+        back once for every sequence) were appended to every unit as FULL."""
         t = positions.numel()
         lh = (self.num_layers, self.num_kv_heads, t)
-        self.pos = torch.cat([self.pos, positions.cpu().long().expand(lh)], -1)
+        self.pos = torch.cat([self.pos, positions.long().expand(lh)], -1)
         self.tiers = torch.cat([self.tiers, torch.zeros(lh, dtype=torch.int8)], -1)
         self.acc = torch.cat([self.acc, torch.zeros(lh)], -1)
         self.norm = torch.cat([self.norm, torch.zeros(lh)], -1)
         if self.wants_probs:
-            self.q_ring_pos.append(positions.cpu().long())
+            self.q_ring_pos.append(positions.long())
 
     def on_queries(self, layer: int, q: Tensor) -> None:
         """Post-RoPE queries [T, Hq, D] of this step at ``layer``, scored at the next decision."""
@@ -158,11 +159,12 @@ class RetentionState:
         return out, pos
 
     def on_attention(self, layer: int, probs: Tensor, query_pos: Tensor) -> None:
-        """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer."""
+        """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer, and the
+        queries' positions [T], both on the host (as the accumulators)."""
         s = probs.shape[-1]
         self.last_query[layer] = scorer.update_attention(
-            self.acc[layer, :, :s], self.norm[layer, :, :s], probs.float().cpu(), self.pos[layer, :, :s],
-            query_pos.cpu().long(), self.last_query[layer], self.cfg.scorer.decay)
+            self.acc[layer, :, :s], self.norm[layer, :, :s], probs.float(), self.pos[layer, :, :s],
+            query_pos.long(), self.last_query[layer], self.cfg.scorer.decay)
 
     def on_sampling(self, first_position: int, confidences: list[float]) -> None:
         """Sampling confidence of the tokens at ``first_position``, ``first_position + 1``..."""

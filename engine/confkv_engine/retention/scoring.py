@@ -25,9 +25,22 @@ def score_pending(cache: KVCache, seq: SeqKV, state: RetentionState) -> None:
     hkv, d, g, n, t = spec.num_kv_heads, spec.head_dim, state.group, state.num_slots, q_pos.numel()
     plan = cache.gather_plan(seq.k_blocks[: -(-n // spec.block_size)])  # compressed keys decode on read
     hidden = state.pos.to(dev)[:, :, None, :] > q_pos.to(dev)[None, None, :, None]  # [L, Hkv, T, n]
+    # Every layer's probabilities land in one host buffer (pinned on CUDA, copies queued without
+    # waiting), and the host waits once per decision, not once per layer.
+    host = torch.empty((len(queries), hkv, t, n), pin_memory=dev.type == "cuda")
     for layer, q in enumerate(queries):
         keys = cache.read_table(seq.k_blocks, layer, n, plan).transpose(0, 1).float()  # [Hkv, n, D]
         qg = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
         scores = torch.bmm(qg, keys.transpose(1, 2)).view(hkv, g, t, n) / math.sqrt(d)
         probs = scores.masked_fill(hidden[layer][:, None], float("-inf")).softmax(-1).sum(1)  # [Hkv, T, n]
-        state.on_attention(layer, probs, q_pos)
+        host[layer].copy_(probs, non_blocking=True)
+    host_copies_done(dev)
+    for layer in range(len(queries)):
+        state.on_attention(layer, host[layer], q_pos)
+
+
+def host_copies_done(device: torch.device) -> None:
+    """Wait for the queued device-to-host copies (a no-op on CPU, where copies are synchronous): the
+    decision's one synchronisation with the host."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

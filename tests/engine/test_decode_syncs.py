@@ -1,0 +1,106 @@
+"""Host synchronisations per decode step, counted on this CPU (``testkit/drivers/sync_count.py`` says
+how): outside decision steps a ``full`` step reads back only the sampled ids and a ``conf-kv`` one
+also the step's positions (once, for every sequence's retention state). What is not reached yet is
+recorded exactly and marked as an expected failure with its reason: decision steps wait for the
+attention signal once per sequence (all layers in one pinned buffer), and step metadata is sent from
+pageable memory."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from confkv_api.config import ConfKVConfig
+from confkv_engine.core.engine import LLMEngine
+from confkv_engine.core.sampling_params import SamplingParams
+from confkv_engine.model.loader import load_model
+from testkit.drivers.sync_count import SyncCounter
+from tests.engine.tiny_models import make_tiny_hf_model
+
+PROMPT, SEQS, STEPS = 40, 4, 40
+POLICIES = {
+    "full": {"kvPolicy": "full"},
+    "conf-kv": {"kvPolicy": "conf-kv", "budget": 0.5},
+    "conf-kv+tiers": {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": ["full", "int4", "int2"]},
+}
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[bool, SyncCounter]]]:
+    """Per policy, for each decode step of SEQS sequences: (decision step?, its counter)."""
+    _, model_dir = make_tiny_hf_model("llama", Path(tmp_path_factory.mktemp("sync")))
+    loaded = load_model(str(model_dir))
+    out = {}
+    for name, confkv in POLICIES.items():
+        config = ConfKVConfig.model_validate({"engine": {"prefillChunk": 64, "blockSize": 16},
+                                              "confkv": {**confkv, "maxCacheSize": "8Mi"}})
+        engine = LLMEngine(loaded, config)
+        params = SamplingParams(temperature=0.0, max_tokens=STEPS + 2, ignore_eos=True)
+        for i in range(SEQS):
+            engine.add_request(f"r{i}", [5 + i] * PROMPT, params)
+        engine.step()  # the prefill
+        interval, recorded = engine.retention.interval, []
+        for k in range(STEPS):
+            with SyncCounter() as counter:
+                assert len(engine.step()) == SEQS
+            recorded.append(((PROMPT + k) % interval == 0, counter))
+        out[name] = recorded
+    return out
+
+
+def _kinds(events: list[tuple[str, str]]) -> Counter[tuple[str, str]]:
+    return Counter((kind, where.split(":")[0]) for kind, where in events)
+
+
+def test_full_decode_step_reads_back_only_the_sampled_ids(steps) -> None:
+    for _, counter in steps["full"]:
+        assert _kinds(counter.syncs()) == Counter({("tolist", "core/engine.py"): 1})
+
+
+@pytest.mark.parametrize("policy", ["conf-kv", "conf-kv+tiers"])
+def test_conf_kv_decode_step_outside_decisions_reads_back_at_most_twice(steps, policy: str) -> None:
+    plain = [c for decision, c in steps[policy] if not decision]
+    assert len(plain) >= STEPS - 2
+    for counter in plain:
+        assert _kinds(counter.syncs()) == Counter({("tolist", "core/engine.py"): 1,
+                                                   ("cpu", "attention/retention.py"): 1})
+
+
+@pytest.mark.parametrize("policy,per_sequence", [("conf-kv", 0), ("conf-kv+tiers", 1)])
+def test_decision_step_read_backs_today(steps, policy: str, per_sequence: int) -> None:
+    """Recorded exactly: one wait per sequence for its attention signal (every layer's probabilities
+    copied into one host buffer; it was 2 read-backs per layer per sequence), precision tiers add one
+    list per sequence."""
+    decisions = [c for decision, c in steps[policy] if decision]
+    assert decisions
+    for counter in decisions:
+        kinds = _kinds(counter.syncs())
+        assert kinds[("wait", "retention/scoring.py")] == SEQS
+        assert len(counter.syncs()) == 2 + SEQS + per_sequence * SEQS
+
+
+@pytest.mark.xfail(strict=True, reason="scoring waits for the attention probabilities once per "
+                   "sequence (retention.scoring.score_pending); device-resident accumulators read back "
+                   "once per decision step are not built yet")
+def test_decision_step_reads_back_once(steps) -> None:
+    for counter in [c for decision, c in steps["conf-kv"] if decision]:
+        assert len(counter.syncs()) <= 3
+
+
+@pytest.mark.xfail(strict=True, reason="step metadata (ids, positions, slots, block tables, masks) is "
+                   "built with torch.tensor(list, device=...) from pageable memory, not pinned "
+                   "buffers copied non_blocking")
+def test_decode_step_sends_metadata_without_blocking_copies(steps) -> None:
+    for _, counter in steps["full"]:
+        assert counter.sends() == []
+
+
+def test_blocking_sends_per_decode_step_today(steps) -> None:
+    """Recorded exactly, so a change in either direction shows."""
+    sends = {name: sorted({(decision, len(c.sends())) for decision, c in recorded})
+             for name, recorded in steps.items()}
+    plain, decision = (False, 7), (True, 35)  # decisions: the scoring's per-sequence tensors
+    assert sends == {"full": [plain, (True, 7)], "conf-kv": [plain, decision],
+                     "conf-kv+tiers": [plain, decision]}, sends
