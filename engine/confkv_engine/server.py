@@ -8,8 +8,10 @@ plane (``control.servicer``) starts with the server and attaches to the engine o
 new generation requests get 503 in OpenAI's format, and the requests that arrived before the signal
 run to completion (``http.drain``). When none is left, or after ``drain_timeout`` seconds (the
 engine then ends the stragglers' streams with an error), uvicorn closes the listener, the engine
-stops and the process exits 0. A second signal stops at once. In a pod, ``terminationGracePeriodSeconds``
-must exceed a preStop sleep plus ``drain_timeout`` plus a few seconds to stop (README).
+stops and the process exits 0. A second signal ends the drain early: the listener closes and
+uvicorn's own shutdown waits for the requests in flight (a second Ctrl-C forces the exit). In a pod,
+``terminationGracePeriodSeconds`` must exceed a preStop sleep plus ``drain_timeout`` plus a few
+seconds to stop (README).
 
 HTTP/1.1 is served by uvicorn with the h11 protocol of ``http.connection`` (strict framing,
 OpenAI-format errors from the parser, a header-read deadline).
@@ -233,7 +235,7 @@ class DrainingServer(uvicorn.Server):
             log.info("signal %d: draining (%d request(s) in progress, at most %.0f s); /ready answers 503",
                      sig, self._state.requests.admitted, self._drain_timeout)
             return
-        super().handle_exit(sig, frame)  # a second signal: stop now
+        super().handle_exit(sig, frame)  # a second signal: uvicorn's shutdown from here
         # uvicorn re-raises a captured signal after shutting down; a drained SIGTERM is a clean exit.
         captured = getattr(self, "_captured_signals", None)
         if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
