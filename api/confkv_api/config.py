@@ -124,6 +124,9 @@ class EngineSection(_Model):
     cuda_streams: int = Field(default=4, ge=1, le=64)
     # Largest HTTP request body (bytes); larger ones get 413 before they are read or parsed.
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=2**30)
+    # max_tokens of a chat completion that sends none (unset: the rest of the context, as OpenAI);
+    # explicit values and /v1/completions' OpenAI default of 16 are unchanged.
+    max_tokens_default: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     api_key: str | None = None
     grpc_socket: str | None = None
     cache_dir: str | None = None

@@ -43,6 +43,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "max_num_batched_tokens": ("engine", "max_num_batched_tokens"),
     "prefill_chunk": ("engine", "prefill_chunk"),
     "max_waiting": ("engine", "max_waiting"),
+    "max_tokens_default": ("engine", "max_tokens_default"),
     "api_key": ("engine", "api_key"),
     "grpc_socket": ("engine", "grpc_socket"),
     "cache_dir": ("engine", "cache_dir"),
@@ -60,6 +61,13 @@ def _version() -> str:
         return metadata.version("confkv")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 86400:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, 86400), got {text!r}")
+    return value
 
 
 def _tier_list(text: str) -> list[str]:
@@ -91,6 +99,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-num-batched-tokens", type=int, help="token budget of one engine step (default 2048)")
     add("--prefill-chunk", type=int, help="prompt tokens prefilled per step per sequence (default 512)")
     add("--max-waiting", type=int, help="requests allowed to wait before new ones get 429 (default 256)")
+    add("--max-tokens-default", type=int, metavar="N",
+        help="max_tokens of a chat completion that sends none (default: the rest of the context, as OpenAI)")
     add("--max-cache-size",
         help="KV pool size: bytes ('512Mi', '2G') or a fraction of TOTAL device memory ('80%%', as "
              "vLLM's gpu_memory_utilization): the pool gets that share less the weights, the profiled "
@@ -114,6 +124,12 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--no-prefix-cache", action="store_true", help="do not share KV blocks of common prefixes")
     add("--cache-dir", metavar="DIR",
         help="directory (NVMe) for evicted prefix blocks and their index, rebuilt at start-up")
+    add("--drain-timeout", type=_seconds, metavar="S",
+        help="on SIGTERM, seconds to let requests in progress finish while /ready answers 503 and new "
+             "ones get 503 (default 30); keep it below the pod's grace period")
+    add("--header-timeout", type=_seconds, metavar="S",
+        help="seconds a client has to send a request's line and headers before the connection is closed "
+             "with 408 (default 10)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -195,7 +211,8 @@ def serve(args: argparse.Namespace) -> int:
     agent = _start_agent(args, config) if getattr(args, "with_agent", False) else None
     try:
         status = run_server(config, log_level=args.log_level,
-                            on_loaded=_announce(config.engine.host, config.engine.port))
+                            on_loaded=_announce(config.engine.host, config.engine.port),
+                            **_timeouts(args))
     finally:  # uvicorn exits through SystemExit when it cannot bind the port
         if agent is not None:
             agent.stop()
@@ -231,6 +248,13 @@ def _write_termination_message(message: str) -> None:
             out.write(message)
     except OSError:
         pass
+
+
+def _timeouts(args: argparse.Namespace) -> dict[str, float]:
+    """The server timeouts given on the command line (the others keep ``run_server``'s defaults)."""
+    given = {"drain_timeout": getattr(args, "drain_timeout", None),
+             "header_timeout": getattr(args, "header_timeout", None)}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _start_agent(args: argparse.Namespace, config: ConfKVConfig) -> AgentProcess:

@@ -1,10 +1,20 @@
 """The engine server's composition root: model, engine, HTTP app and control plane wired together.
 
 The model loads in a background thread after the server starts, so ``/health`` (liveness) answers
-during a long load while ``/ready`` (readiness) stays 503 until the engine runs. On SIGTERM
-readiness goes false at once, uvicorn stops accepting connections and waits for in-flight
-responses, then the engine drains and the process exits 0. The gRPC control plane
-(``control.servicer``) starts with the server and attaches to the engine once it runs.
+during a long load while ``/ready`` (readiness) stays 503 until the engine runs. The gRPC control
+plane (``control.servicer``) starts with the server and attaches to the engine once it runs.
+
+**Drain.** On SIGTERM (or a first Ctrl-C) the server keeps listening: ``/ready`` answers 503,
+new generation requests get 503 in OpenAI's format, and the requests that arrived before the signal
+run to completion (``http.drain``). When none is left, or after ``drain_timeout`` seconds (the
+engine then ends the stragglers' streams with an error), uvicorn closes the listener, the engine
+stops and the process exits 0. A second signal ends the drain early: the listener closes and
+uvicorn's own shutdown waits for the requests in flight (a second Ctrl-C forces the exit). In a pod,
+``terminationGracePeriodSeconds`` must exceed a preStop sleep plus ``drain_timeout`` plus a few
+seconds to stop (README).
+
+HTTP/1.1 is served by uvicorn with the h11 protocol of ``http.connection`` (strict framing,
+OpenAI-format errors from the parser, a header-read deadline).
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from confkv_engine.core.async_engine import AsyncEngine
 from confkv_engine.core.control_api import EngineControlTarget
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.http.app import APIError, create_app
+from confkv_engine.http.connection import DEFAULT_HEADER_TIMEOUT_S, MAX_HEAD_BYTES, protocol_class
+from confkv_engine.http.drain import RequestTracker
 from confkv_engine.http.metrics import EngineMetrics
 from confkv_engine.http.serving import OpenAIServing
 
@@ -36,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("confkv.server")
 
 WARMUP_TIMEOUT = 600.0  # seconds a warm-up may take before the caller gets an error
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # fits the operator's 60 s grace period with room to stop
 
 
 async def _prefill_all(engine: AsyncEngine, prompts: list[list[int]]) -> None:
@@ -76,6 +89,7 @@ class ServerState:
         self.max_model_len = 0
         self.load_error: str | None = None
         self.draining = False
+        self.requests = RequestTracker(lambda: self.draining)
         self.created = int(time.time())
         self.on_load_failed = on_load_failed
         self.loaded_event = threading.Event()
@@ -115,7 +129,8 @@ class ServerState:
                 log.info("warm-up: %d prompt(s) prefilled, %d blocks cached", ran, cached)
             self._attach_control(core, engine, str(loaded.device))
             self.serving = OpenAIServing(engine, loaded.tokenizer, self.model_name,
-                                         loaded.max_model_len, vocab, cfg.model.served_aliases)
+                                         loaded.max_model_len, vocab, cfg.model.served_aliases,
+                                         default_max_tokens=cfg.engine.max_tokens_default)
             self.engine = engine
             log.info("model %s loaded (%s, %s); max_model_len=%d", self.model_name, loaded.device,
                      loaded.dtype, loaded.max_model_len)
@@ -164,12 +179,17 @@ class ServerState:
         log.info("shutting down: draining the engine")
         if self._loader is not None:
             await self._loader  # a load still running finishes first, so the engine thread stops cleanly
-        if self.engine is not None:
-            await self.engine.drain_and_stop(self.drain_timeout)
+        await self.stop_engine(self.drain_timeout)
         if self._core is not None:
             self._core.close()
         self.control.stop()
         log.info("engine stopped")
+
+    async def stop_engine(self, timeout: float | None) -> None:
+        """Let the engine finish its requests (at most ``timeout`` s; the rest end with an error),
+        then stop it."""
+        if self.engine is not None:
+            await self.engine.drain_and_stop(timeout)
 
     def healthy(self) -> bool:
         return self.load_error is None and (self.engine is None or self.engine.alive or self.draining)
@@ -199,25 +219,47 @@ class ServerState:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn with readiness dropped at the signal and a clean exit status after the drain."""
+    """uvicorn that drains while still listening (module docstring) and exits 0 after a drained SIGTERM."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState,
+                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         super().__init__(config)
         self._state = state
+        self._drain_timeout = drain_timeout
+        self._drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._state.begin_drain()
-        super().handle_exit(sig, frame)
+        if self._drain_deadline is None and not self.should_exit:
+            # The first signal: drain, listening on (checked once per tick by on_tick).
+            self._drain_deadline = time.monotonic() + self._drain_timeout
+            self._state.begin_drain()
+            log.info("signal %d: draining (%d request(s) in progress, at most %.0f s); /ready answers 503",
+                     sig, self._state.requests.admitted, self._drain_timeout)
+            return
+        super().handle_exit(sig, frame)  # a second signal: uvicorn's shutdown from here
         # uvicorn re-raises a captured signal after shutting down; a drained SIGTERM is a clean exit.
         captured = getattr(self, "_captured_signals", None)
         if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
             captured.remove(sig)
 
+    async def on_tick(self, counter: int) -> bool:
+        deadline = self._drain_deadline
+        if deadline is not None and not self.should_exit:
+            left = self._state.requests.admitted
+            if left and time.monotonic() >= deadline:
+                log.warning("drain timeout: ending %d request(s) still in progress", left)
+                await self._state.stop_engine(timeout=0.0)
+                left = 0
+            self.should_exit = left == 0
+        return await super().on_tick(counter)
+
 
 def run_server(config: ConfKVConfig, log_level: str = "info",
-               on_loaded: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit status (1 when the model failed to load or
-    the control plane cannot start)."""
+               on_loaded: Callable[[str], None] | None = None,
+               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+               header_timeout: float = DEFAULT_HEADER_TIMEOUT_S) -> int:
+    """Serve until SIGTERM/SIGINT and the drain; returns the process exit status (1 when the model
+    failed to load or the control plane cannot start)."""
     holder: dict[str, DrainingServer] = {}
 
     def stop() -> None:
@@ -233,8 +275,10 @@ def run_server(config: ConfKVConfig, log_level: str = "info",
         return 1
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=config.engine.host, port=config.engine.port, log_level=log_level,
-                               access_log=log_level == "debug", lifespan="on")
-    server = holder["server"] = DrainingServer(uv_config, state)
+                               access_log=log_level == "debug", lifespan="on",
+                               http=protocol_class(header_timeout),
+                               h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+    server = holder["server"] = DrainingServer(uv_config, state, drain_timeout)
     if on_loaded is not None:
         def announce() -> None:
             state.loaded_event.wait()

@@ -56,7 +56,7 @@ def _kinds(events: list[tuple[str, str]]) -> Counter[tuple[str, str]]:
 
 def test_full_decode_step_reads_back_only_the_sampled_ids(steps) -> None:
     for _, counter in steps["full"]:
-        assert _kinds(counter.syncs()) == Counter({("tolist", "core/engine.py"): 1})
+        assert _kinds(counter.syncs()) == Counter({("tolist", "core/step_io.py"): 1})
 
 
 @pytest.mark.parametrize("policy", ["conf-kv", "conf-kv+tiers"])
@@ -64,7 +64,7 @@ def test_conf_kv_decode_step_outside_decisions_reads_back_at_most_twice(steps, p
     plain = [c for decision, c in steps[policy] if not decision]
     assert len(plain) >= STEPS - 2
     for counter in plain:
-        assert _kinds(counter.syncs()) == Counter({("tolist", "core/engine.py"): 1,
+        assert _kinds(counter.syncs()) == Counter({("tolist", "core/step_io.py"): 1,
                                                    ("cpu", "attention/retention.py"): 1})
 
 

@@ -41,6 +41,18 @@ def test_kv_cache_dtype_flag_sets_the_confkv_field() -> None:
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
 
 
+def test_server_default_max_tokens_and_timeouts() -> None:
+    assert _config([]).engine.max_tokens_default is None  # OpenAI's: the rest of the context
+    assert _config(["--max-tokens-default", "256"]).engine.max_tokens_default == 256
+    with pytest.raises(ConfigError):
+        _config(["--max-tokens-default", "0"])
+    args = build_parser().parse_args(["serve", "--drain-timeout", "2.5", "--header-timeout", "1"])
+    assert (args.drain_timeout, args.header_timeout) == (2.5, 1.0)
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--drain-timeout", bad])
+
+
 def test_config_directory_and_defaults(tmp_path: Path) -> None:
     (tmp_path / "confkv.json").write_text(json.dumps({"model": {"servedName": "demo"}}))
     assert _config(["--config", str(tmp_path)]).model.served_name == "demo"
@@ -52,6 +64,7 @@ def test_config_directory_and_defaults(tmp_path: Path) -> None:
     ["--kv-budget", "0.5", "--kv-budget-tokens", "64"],
     ["--max-cache-size", "lots"],
     ["--prefill-chunk", "4096"],  # above maxNumBatchedTokens
+    ["--max-tokens-default", "-5"],
 ])
 def test_bad_flags_raise_a_config_error(argv: list[str]) -> None:
     with pytest.raises(ConfigError):

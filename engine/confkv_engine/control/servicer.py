@@ -24,6 +24,9 @@ the excess gets RESOURCE_EXHAUSTED at once) and the pool has ``UNARY_WORKERS`` m
 that, so open streams never starve GetStatus or UpdatePolicy. A stream whose client goes away
 frees its worker at once (a termination callback wakes it), not after its interval.
 
+A request whose bytes are not a valid message is INVALID_ARGUMENT, never INTERNAL with a
+traceback (``decoding``).
+
 Server integration (``confkv_engine.server``): ``ControlPlane(config)``, ``start()`` at start-up,
 ``attach(target, ...)`` once the engine runs, ``stop()`` at shutdown. The servicer reaches the engine
 only through ``core.control_api.EngineControlTarget`` and its typed ``EngineStats`` snapshot.
@@ -49,6 +52,7 @@ from confkv_api.v1 import control_pb2 as pb
 from confkv_api.v1 import control_pb2_grpc as pb_grpc
 from confkv_engine.cache.memory import device_memory
 from confkv_engine.control import unix_socket
+from confkv_engine.control.decoding import MalformedRequests
 from confkv_engine.control.policy import (
     PolicyConflict,
     PolicyError,
@@ -149,7 +153,8 @@ class ControlPlane:
             workers = futures.ThreadPoolExecutor(max_workers=MAX_WATCH_STREAMS + UNARY_WORKERS,
                                                  thread_name_prefix="confkv-grpc",
                                                  initializer=serial_torch_ops)
-            server = grpc.server(workers, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+            server = grpc.server(workers, interceptors=[MalformedRequests()],
+                                 maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
             pb_grpc.add_EngineControlServicer_to_server(ControlServicer(self), server)
             with unix_socket.owner_only_umask():
                 bound = server.add_insecure_port(f"unix://{path}")

@@ -10,6 +10,11 @@ convert), unknown routes and methods, and the body limit (``limits``). Error bod
 so quoting a client's invalid text back (a model name with a lone surrogate) cannot fail. The
 OpenAPI document lists the codes the routes really answer: 400 for validation (never FastAPI's
 default 422), 401, 404, 413, 429 and 503.
+
+No redirects: a path with a trailing slash (``/v1/completions/``) is an unknown path (404 in the
+OpenAI format), never a 307 built from the client's ``Host`` header. With an API key set, only the
+probes and the scrape (``/health``, ``/ready``, ``/metrics``) are open; ``/openapi.json`` needs the
+key like the API it describes (there is no ``/docs`` page).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from confkv_engine.core.async_engine import EngineUnavailable, QueueFull
 from confkv_engine.core.sampling_params import InvalidRequest
 from confkv_engine.http import tokenization
 from confkv_engine.http.body import LargeBodyOffLoopRoute, render_json
+from confkv_engine.http.drain import DrainMiddleware, RequestTracker
 from confkv_engine.http.limits import RequestBodyLimit
 from confkv_engine.http.metrics import EngineMetrics
 from confkv_engine.http.protocol import (
@@ -54,6 +60,7 @@ class ServedState(Protocol):
     config: ConfKVConfig
     metrics: EngineMetrics
     created: int
+    requests: RequestTracker
 
     async def startup(self) -> None: ...
     async def shutdown(self) -> None: ...
@@ -157,6 +164,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         if first.get("type") == "extra_forbidden":
             msg, code = f"Unrecognized request argument supplied: {param}", "unknown_parameter"
+        elif first.get("type") == "finite_number":  # NaN/Infinity: not "less than or equal to 2"
+            msg, code = f"{param or 'body'}: must be a finite number", "invalid_value"
         else:
             msg, code = f"{param or 'body'}: {first.get('msg', 'invalid value')}", "invalid_value"
         return _error(400, msg, "invalid_request_error", param, code)
@@ -241,12 +250,19 @@ def create_app(state: ServedState) -> FastAPI:
         yield
         await state.shutdown()
 
-    app = FastAPI(title="CONF-KV engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="CONF-KV engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     _install_error_handlers(app)
     app.add_middleware(RequestBodyLimit, max_bytes=state.config.engine.max_request_bytes)
+    app.add_middleware(DrainMiddleware, tracker=state.requests)  # outermost: counts every request
     app.include_router(_openai_router(state))
     app.include_router(_tokenizer_router(state))
     app.openapi = lambda: _openapi_document(app)  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", include_in_schema=False,
+             dependencies=[Depends(_auth_dependency(state.config.engine.api_key))])
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
 
     @app.get("/health", responses={503: {"description": "The engine thread has stopped"}})
     async def health() -> Response:

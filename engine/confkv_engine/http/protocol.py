@@ -12,6 +12,13 @@ does. The ``/tokenize`` and ``/detokenize`` bodies are vLLM's.
 Text that cannot be tokenized is refused here, not deep in the tokenizer: a prompt or message with
 a lone surrogate (``"\ud800"``, which JSON can carry but Unicode text cannot) is a 400 naming the
 field. ``seed`` is a signed 64-bit integer, as in OpenAI's API and as torch's generators take it.
+
+Types are strict, as OpenAI's API is: an integer field (``max_tokens``, ``n``, ``seed``, token ids...)
+takes only a JSON integer (not ``"7"``, ``true`` or ``7.0``), a boolean only ``true``/``false``, a
+number field a JSON number (an integer is a number), and numbers must be finite (JSON has no NaN,
+but Python's parser reads ``NaN``/``Infinity``; they are refused as "must be a finite number", never
+as out of range). Nothing stays lenient except ``null``, which means "the default" for any optional
+parameter, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ MAX_CHOICES = 64  # n / best_of: each choice is a sequence in the batch
 # Dict fields check their values the same way in a before-validator (no fail-fast for mappings).
 FAIL_FAST = Field(fail_fast=True)
 TierName = Literal["full", "key_only", "int8", "int4", "k4v2", "int2"]
-_BIAS = TypeAdapter(float)
+# Strict JSON types and finite numbers on every request model (see the module docstring).
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_BIAS = TypeAdapter(float, config=ConfigDict(strict=True, allow_inf_nan=False))
 
 
 class ErrorInfo(BaseModel):
@@ -75,14 +84,14 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Request(BaseModel):
     """Fields common to both endpoints (OpenAI's plus this engine's sampling extras)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     # Fields whose validation of a list of JSON integers (or of a list of such lists) depends only
     # on the items being integers, not on their number or values: a large body's lists there are
     # type-checked a slice at a time off the event loop (``http.body``), not by pydantic in one call.
@@ -128,7 +137,7 @@ class _Request(BaseModel):
         if isinstance(value, dict):  # fail fast on the first bad value (see FAIL_FAST)
             for bias in value.values():
                 if not isinstance(bias, int | float) or isinstance(bias, bool):
-                    _BIAS.validate_python(bias)  # a numeric string passes, as pydantic's float
+                    _BIAS.validate_python(bias)  # raises: a number is the only bias
         return value
 
     @field_validator("stop")
@@ -173,12 +182,9 @@ class CompletionRequest(_Request):
 
     TOKEN_ID_FIELDS: ClassVar[tuple[str, ...]] = ("prompt", "stop_token_ids")
     # Left to right, not pydantic's "smart" union, which also tries a list of ids as list[str] and
-    # builds an error per id (0.5 s holding the GIL for 2M ids). Strict ids first, then the other
-    # forms, then lax ids (1.0 -> 1): the values the smart union picks (numeric strings stay text)
-    # and the same first error; the schema is unchanged (both id forms are arrays of integers).
+    # builds an error per id (0.5 s holding the GIL for 2M ids): ids first, then the other forms.
     prompt: (str | Annotated[list[StrictInt], FAIL_FAST] | Annotated[list[str], FAIL_FAST]
-             | Annotated[list[Annotated[list[int], FAIL_FAST]], FAIL_FAST]
-             | Annotated[list[int], FAIL_FAST]) = Field(
+             | Annotated[list[Annotated[list[StrictInt], FAIL_FAST]], FAIL_FAST]) = Field(
         union_mode="left_to_right")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -232,13 +238,8 @@ class CompletionRequest(_Request):
         return prompt
 
 
-_JSON_KINDS = {type(None): "null", str: "a string", float: "a number with a fraction", list: "an array",
+_JSON_KINDS = {type(None): "null", bool: "a boolean", str: "a string", float: "a number", list: "an array",
                dict: "an object"}
-
-
-def _lax_id(item: Any) -> bool:
-    # What the lax list[int] member of the prompt union accepts as an id.
-    return type(item) in (int, bool) or (type(item) is float and item.is_integer())
 
 
 SCAN_SLICE = 8192  # list items looked at per C call when scanning a long list (well under a ms)
@@ -258,16 +259,13 @@ def _first_non_id(value: Any) -> int | None:
     """Index of the first item that is not an id in a list that starts with an integer, else None."""
     if not isinstance(value, list) or not value or type(value[0]) is not int:
         return None
-    bad = first_not_of_types(value, {int, bool})
-    while bad is not None and _lax_id(value[bad]):
-        bad = first_not_of_types(value, {int, bool}, bad + 1)
-    return bad
+    return first_not_of_types(value, {int})
 
 
 class ChatMessage(BaseModel):
     """One chat message. Content may be a string or OpenAI's list of text parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
     name: str | None = None
@@ -340,7 +338,7 @@ class ChatCompletionRequest(_Request):
 class TokenizeCompletionRequest(BaseModel):
     """vLLM's ``POST /tokenize`` for a completion prompt."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -350,7 +348,7 @@ class TokenizeCompletionRequest(BaseModel):
 class TokenizeChatRequest(BaseModel):
     """vLLM's ``POST /tokenize`` for a conversation (rendered with the chat template)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     messages: Annotated[list[ChatMessage], FAIL_FAST] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -361,7 +359,7 @@ class TokenizeChatRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """vLLM's ``POST /detokenize``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     TOKEN_ID_FIELDS: ClassVar[tuple[str, ...]] = ("tokens",)  # as on the generation requests
     model: str | None = None
     tokens: Annotated[list[int], FAIL_FAST]

@@ -52,7 +52,7 @@ class GenerationFailed(Exception):
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 vocab_size: int, aliases: Sequence[str] = ()) -> None:
+                 vocab_size: int, aliases: Sequence[str] = (), default_max_tokens: int | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -60,6 +60,8 @@ class OpenAIServing:
         self.served_names: tuple[str, ...] = tuple(dict.fromkeys([model_name, *aliases]))
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # A chat request without max_tokens: the rest of the context, capped by engine.maxTokensDefault.
+        self.default_max_tokens = default_max_tokens
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (special tokens included) for logprob entries."""
@@ -247,6 +249,10 @@ class OpenAIServing:
     def _chat_prompt(self, req: ChatCompletionRequest, max_tokens: int) -> list[int]:
         return self._encode_within(self.chat_prompt(req.messages), max_tokens, "messages")
 
+    def _chat_default(self, prompt_len: int) -> int:
+        rest = self.max_model_len - prompt_len
+        return rest if self.default_max_tokens is None else min(rest, self.default_max_tokens)
+
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Any:
         req.check_supported()
         requested = req.requested_max_tokens
@@ -254,7 +260,7 @@ class OpenAIServing:
             raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
         # Without max_tokens the completion may fill the context, but needs room for one token.
         ids = await run_in_threadpool(self._chat_prompt, req, 1 if requested is None else requested)
-        max_tokens = self.max_model_len - len(ids) if requested is None else requested
+        max_tokens = self._chat_default(len(ids)) if requested is None else requested
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, top_n, None, await self._structured(req))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

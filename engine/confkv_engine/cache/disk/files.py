@@ -117,11 +117,11 @@ def scan_blocks(blocks_dir: Path, verify_payloads: bool) -> ScanResult:
                 path.unlink(missing_ok=True)
                 result.orphans += 1
                 continue
-            key = key_from_name(path.name)
-            if key is None:
+            if not path.name.endswith(RECORD_SUFFIX):
                 continue  # not a record file of ours: leave it alone
+            key = key_from_name(path.name)
             try:
-                if not key or record_name(key) != (folder.name, path.name):
+                if not key or record_name(key) != (folder.name, path.name):  # garbage.blk: misnamed
                     raise CorruptRecord("record file in the wrong folder or with a bad name")
                 result.headers.append(read_verified_header(path, key, verify_payloads))
             except (CorruptRecord, OSError) as exc:
