@@ -1,5 +1,6 @@
 """Randomly initialised tiny Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 models saved as Hugging Face
-directories, plus reference logits from transformers, for parity tests (dense here; the paged-cache tests reuse these helpers).
+directories, plus reference logits from transformers, for parity tests (dense here; the paged-cache
+tests reuse these helpers).
 
     hf_model, model_dir = make_tiny_hf_model("llama", tmp_path)
     tokens, ref = hf_greedy_reference(hf_model, prompt_ids, steps=20)   # ref: [len(tokens), V] fp32
@@ -29,7 +30,7 @@ CHATML = (
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # transformers class per architecture
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gemma3-llamacpp": "Gemma3ForCausalLM"}
 
 
 def tiny_config(arch: str):  # -> transformers.PretrainedConfig
@@ -64,6 +65,10 @@ def tiny_config(arch: str):  # -> transformers.PretrainedConfig
         return transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6)
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(**gemma3_fields(common))
+    if arch == "gemma3-llamacpp":  # what a GGUF can say: llama.cpp's fixed layer pattern and scales
+        fields = {**gemma3_fields(common), "num_hidden_layers": 6, "query_pre_attn_scalar": 32}
+        del fields["layer_types"]
+        return transformers.Gemma3TextConfig(**fields)
     raise ValueError(f"unknown arch {arch!r}")
 
 
