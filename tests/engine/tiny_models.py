@@ -30,7 +30,8 @@ CHATML = (
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # transformers class per architecture
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gemma3-llamacpp": "Gemma3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "gemma3-llamacpp": "Gemma3ForCausalLM"}
 
 
 def tiny_config(arch: str):  # -> transformers.PretrainedConfig
