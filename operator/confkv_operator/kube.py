@@ -101,6 +101,7 @@ class Kube:
 
     def __init__(self, api: kubernetes.client.ApiClient) -> None:
         self.api = api
+        self._minor: int | None = None
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -179,6 +180,17 @@ class Kube:
                 return frozenset()
             raise
         return frozenset(r["kind"] for r in (doc or {}).get("resources", []) if "/" not in r["name"])
+
+    def server_minor(self) -> int | None:
+        """The API server's minor version (``/version``), read once; None when it cannot be read."""
+        if self._minor is None:
+            try:
+                doc = self.request("GET", "/version") or {}
+            except KubeError:
+                return None  # asked again next time
+            digits = "".join(ch for ch in str(doc.get("minor", "")) if ch.isdigit())  # "29+" on EKS/GKE
+            self._minor = int(digits) if digits else None
+        return self._minor
 
     def list_pods(self, namespace: str, selector: str) -> list[Obj]:
         doc = self.request("GET", f"/api/v1/namespaces/{quote(namespace)}/pods",

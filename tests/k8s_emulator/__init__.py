@@ -82,8 +82,8 @@ What it does:
   Foreground is treated as Background), namespace deletion deletes its contents at once.
 
 What it does NOT do: OpenAPI/CRD schema validation, defaulting beyond Deployment spec.replicas=1 and
-Namespace status.phase, CEL, RBAC/authentication, admission, field ownership of non-apply writes, version conversion,
-pagination (`limit` is ignored, everything comes in one page), watch bookmarks (except the
+Namespace status.phase, CEL, RBAC/authentication, admission, field ownership of non-apply writes,
+version conversion, pagination (`limit` is ignored, everything comes in one page), watch bookmarks (except the
 initial-events-end one), DeleteOptions preconditions, protobuf (bodies other than JSON get 415, so
 kubectl's imperative generators such as `kubectl create configmap x --from-literal=...`, which send
 protobuf, fail: use `kubectl apply/create -f` manifests), Tables in watch streams (`kubectl get -w`),
