@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 _OPTIONAL_GROUPS = {"monitoring.coreos.com/v1": {"ServiceMonitor", "PrometheusRule"},
                     "keda.sh/v1alpha1": {"ScaledObject"},
                     "inference.networking.k8s.io/v1": {"InferencePool"}}
+#: Children a spec can switch off, named after the CR: deleted when no longer wanted.
+SWITCHABLE_KINDS = (("networking.k8s.io/v1", "NetworkPolicy"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+                    ("monitoring.coreos.com/v1", "PrometheusRule"),
+                    ("autoscaling/v2", "HorizontalPodAutoscaler"), ("keda.sh/v1alpha1", "ScaledObject"),
+                    ("inference.networking.k8s.io/v1", "InferencePool"))
+_ALWAYS_SERVED = frozenset({"NetworkPolicy", "HorizontalPodAutoscaler"})
 #: Native sidecars (init containers with restartPolicy Always) are on by default from Kubernetes 1.29.
 _NATIVE_SIDECAR_MINOR = 29
 
@@ -97,17 +103,30 @@ def _ensure_claims(kube: Kube, body: kopf.Body, spec: DeploymentSpec) -> int:
     return created
 
 
+def _prune(kube: Kube, body: kopf.Body, children: list[dict[str, Any]], served: frozenset[str]) -> int:
+    """Delete the switchable children the spec no longer asks for (monitoring off, no autoscaling, ...)."""
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
+    name, namespace, uid = body.metadata.name, body.metadata.namespace, body.metadata.uid
+    deleted = 0
+    for api_version, kind in SWITCHABLE_KINDS:
+        if (kind in _ALWAYS_SERVED or kind in served) and (kind, name) not in wanted:
+            deleted += kube.delete_owned(api_version, kind, namespace, name, uid)
+    return deleted
+
+
 def sync(body: kopf.Body, spec: DeploymentSpec, memo: kopf.Memo, patch: kopf.Patch) -> dict[str, int]:
     """Ensure every child and refresh the status; returns counts of created/patched/unchanged children."""
     kube: Kube = memo.kube
     settings: OperatorSettings = memo.settings
     name, namespace = body.metadata.name, body.metadata.namespace
     native = (kube.server_minor() or 0) >= _NATIVE_SIDECAR_MINOR
-    children = build_children(name, namespace, spec, settings, _served(kube), native_sidecars=native)
+    served = _served(kube)
+    children = build_children(name, namespace, spec, settings, served, native_sidecars=native)
     kopf.adopt(children, owner=body)
     counts = {"created": _ensure_claims(kube, body, spec), "patched": 0, "unchanged": 0}
     for child in children:
         counts[kube.ensure(child)] += 1
+    counts["deleted"] = _prune(kube, body, children, served)
     deployment = kube.get("apps/v1", "Deployment", namespace, name)
     pods = kube.list_pods(namespace, n.selector_string(name))
     generation = body.metadata.get("generation") or 0
@@ -150,10 +169,11 @@ def resync(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch) -> None:
     except KubeError as err:
         log.warning("resync %s/%s: %s", body.metadata.namespace, body.metadata.name, err)
         return
-    if counts["created"] or counts["patched"]:
+    if counts["created"] or counts["patched"] or counts["deleted"]:
         log.info("resync %s/%s restored children: %s", body.metadata.namespace, body.metadata.name, counts)
         kopf.info(body, reason="ChildrenRestored",
-                  message=f"re-created {counts['created']}, restored {counts['patched']} drifted children")
+                  message=f"re-created {counts['created']}, restored {counts['patched']} drifted, "
+                          f"deleted {counts['deleted']} unwanted children")
 
 
 def configure(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:

@@ -167,6 +167,21 @@ class Kube:
         self.apply(path, desired)
         return "created"
 
+    def delete_owned(self, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete the object when it exists and ``owner_uid`` controls it (a child the spec no longer
+        asks for); objects of the same name that someone else made are left alone."""
+        path = object_path(api_version, kind, namespace, name)
+        live = self.request("GET", path)
+        refs = (live or {}).get("metadata", {}).get("ownerReferences") or []
+        if not any(ref.get("uid") == owner_uid and ref.get("controller") for ref in refs):
+            return False
+        try:
+            self.request("DELETE", path)
+        except KubeError as err:
+            if err.status != 404:
+                raise
+        return True
+
     def apply(self, path: str, desired: Obj) -> Obj | None:
         return self.request("PATCH", path, desired, content_type=APPLY_PATCH,
                             query={"fieldManager": FIELD_MANAGER, "force": "true"})

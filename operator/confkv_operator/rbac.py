@@ -19,8 +19,10 @@ Verb by verb, what each permission is for:
 - children (configmaps, services, serviceaccounts, deployments, poddisruptionbudgets, roles, rolebindings,
   networkpolicies, servicemonitors, prometheusrules, horizontalpodautoscalers, scaledobjects,
   inferencepools) get/create/patch: server-side apply (a PATCH; creating through it also needs create)
-  with drift repair. No delete: every child has an ownerReference and the garbage collector removes it
-  with the CR.
+  with drift repair. Every child has an ownerReference and the garbage collector removes it with the
+  CR; delete only on the children a spec can switch off (networkpolicies, servicemonitors,
+  prometheusrules, horizontalpodautoscalers, scaledobjects, inferencepools), and only those the CR
+  controls.
 - persistentvolumeclaims get/create/patch: claims the spec asks the operator to create, once (apply).
 - pods get/patch and ``confkvdeployments`` get: held only to grant them to the agent (see below).
 
@@ -73,15 +75,15 @@ OPERATOR_API_RULES: list[Rule] = [
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
      "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors", "prometheusrules"],
-     "verbs": ["get", "create", "patch"]},
+     "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-     "verbs": ["get", "create", "patch"]},
+     "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
-     "verbs": ["get", "create", "patch"]},
-    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["get", "create", "patch"]},
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
-     "verbs": ["get", "create", "patch"]},
+     "verbs": ["get", "create", "patch", "delete"]},
 ]
 
 

@@ -123,8 +123,10 @@ def _remove(node: Any, path: Path) -> None:
 def prune(obj: Obj, stale: set[Path]) -> Obj:
     """``obj`` without the stale paths; a removed list item takes its fields with it."""
     out = copy.deepcopy(obj)
-    # Deepest first, so fields go before the items that hold them.
-    for path in sorted(stale, key=len, reverse=True):
+    # Whole items first (their key fields identify them), then the remaining fields, deepest first.
+    items = sorted((p for p in stale if p[-1] == "."), key=len, reverse=True)
+    fields = sorted((p for p in stale if p[-1] != "."), key=len, reverse=True)
+    for path in [*items, *fields]:
         _remove(out, path)
     return out
 

@@ -39,6 +39,8 @@ CHILDREN = [("v1", "configmaps", "audit-config"), ("v1", "serviceaccounts", "aud
             ("networking.k8s.io/v1", "networkpolicies", "audit"),
             ("autoscaling/v2", "horizontalpodautoscalers", "audit"),
             ("inference.networking.k8s.io/v1", "inferencepools", "audit")]
+SWITCHABLE = {"servicemonitors", "prometheusrules", "networkpolicies", "horizontalpodautoscalers",
+              "inferencepools"}
 AUDIT = {"resources": {"gpusPerPod": 1}, "autoscaling": {"enabled": True, "backend": "hpa"},
          "inferencePool": {"enabled": True},
          "modelStorage": {"claimName": "audit-weights", "size": "100Gi", "createClaim": {}}}
@@ -65,6 +67,15 @@ def _scenario(api: KubeEmulator) -> None:
     for version, plural, name in CHILDREN:
         wait(lambda v=version, p=plural, n=name: api.get(v, p, n, NS)["metadata"]["labels"][label]
              == "confkv-operator", 20, message=f"{plural} restored")
+    off = {"monitoring": {"enabled": False}, "networkPolicy": {"enabled": False},
+           "autoscaling": {"enabled": False}, "inferencePool": {"enabled": False}}
+    api.patch(API_VERSION, "ckv", "audit", {"spec": off}, NS)
+    api.patch(API_VERSION, "ckv", "scaled", {"spec": {"autoscaling": {"enabled": False}}}, NS)
+    switchable = [*(c for c in CHILDREN if c[1] in SWITCHABLE),
+                  ("keda.sh/v1alpha1", "scaledobjects", "scaled")]
+    for version, plural, name in switchable:
+        wait(lambda v=version, p=plural, n=name: api.get(v, p, n, NS) is None, 20,
+             message=f"{plural} deleted")
     api.create(cr("broken", {"confkv": {"eviction": {"k": 0}}}))
     wait(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list("v1", "events", NS)), 20,
          message="an Event about the invalid spec")
