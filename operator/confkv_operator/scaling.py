@@ -2,11 +2,14 @@
 or a KEDA ScaledObject) and the Gateway API Inference Extension's ``InferencePool``.
 
 Autoscaling reads the engine's own gauges: the queue (requests waiting for a batch slot, per pod) and
-the KV-cache usage (fraction of blocks in use). The HPA takes them as Pods metrics, which
-prometheus-adapter serves from Prometheus (docs/kubernetes.md gives its rules); the ScaledObject asks
-Prometheus itself. Both target the ConfKVDeployment's scale subresource, so the operator carries the
-replica count to the Deployment and nothing fights over it. GPU pods start in minutes and cost a GPU
-each: scale-up adds one pod per five minutes, scale-down waits ``scaleDownStabilizationSeconds``
+the KV-cache usage (fraction of blocks in use), and the agent's scale-out recommendation
+(``confkv_agent_scale_out_recommended``, 1 while the latency alert's remedies ran out and the cause
+is load): a recommendation on every pod asks for twice the replicas, bounded by the scale-up policy,
+so the agent's judgement feeds the autoscaler instead of duplicating it. The HPA takes them as Pods
+metrics, which prometheus-adapter serves from Prometheus (docs/kubernetes.md gives its rules); the
+ScaledObject asks Prometheus itself. Both target the ConfKVDeployment's scale subresource, so the
+operator carries the replica count to the Deployment and nothing fights over it. GPU pods start in
+minutes and cost a GPU each: scale-up adds one pod per five minutes, scale-down waits ``scaleDownStabilizationSeconds``
 (15 minutes by default) and removes one pod per ten minutes.
 
 The InferencePool selects the CR's pods on the engine's port and names the endpoint picker Service
@@ -25,6 +28,8 @@ from . import names as n
 
 Obj = dict[str, Any]
 SCALE_UP_PERIOD_SECONDS = 300
+#: The recommendation gauge is 0 or 1 per pod: a mean of 1 against 0.5 asks for twice the replicas.
+RECOMMENDATION_TARGET = 0.5
 SCALE_DOWN_PERIOD_SECONDS = 600
 
 
@@ -63,7 +68,8 @@ def build_hpa(name: str, spec: DeploymentSpec) -> Obj:
             "scaleTargetRef": _target(name),
             "minReplicas": scaling.min_replicas, "maxReplicas": scaling.max_replicas,
             "metrics": [pods_metric(m.REQUESTS_WAITING, _milli(scaling.target_queue_depth)),
-                        pods_metric(m.KV_CACHE_USAGE_RATIO, _milli(scaling.target_kv_cache_usage))],
+                        pods_metric(m.KV_CACHE_USAGE_RATIO, _milli(scaling.target_kv_cache_usage)),
+                        pods_metric(m.AGENT_SCALE_OUT_RECOMMENDED, _milli(RECOMMENDATION_TARGET))],
             "behavior": _behavior(spec),
         },
     }
@@ -80,13 +86,17 @@ def build_scaled_object(name: str, namespace: str, spec: DeploymentSpec) -> Obj:
         "serverAddress": scaling.prometheus_address,
         "query": f"avg({m.KV_CACHE_USAGE_RATIO}{selector})",
         "threshold": f"{scaling.target_kv_cache_usage:g}"}}
+    agent = {"type": "prometheus", "metricType": "Value", "metadata": {
+        "serverAddress": scaling.prometheus_address,
+        "query": f"avg(max by (pod) ({m.AGENT_SCALE_OUT_RECOMMENDED}{selector}))",
+        "threshold": f"{RECOMMENDATION_TARGET:g}"}}
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": _meta(name),
         "spec": {
             "scaleTargetRef": _target(name),
             "minReplicaCount": scaling.min_replicas, "maxReplicaCount": scaling.max_replicas,
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(spec)}},
-            "triggers": [queue, kv],
+            "triggers": [queue, kv, agent],
         },
     }
 

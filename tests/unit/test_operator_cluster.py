@@ -195,7 +195,11 @@ def test_autoscaler_is_keda_when_served_else_an_hpa_on_queue_and_kv_usage() -> N
     metrics = {
         m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]
     }
-    assert metrics == {"confkv_requests_waiting": "2000m", "confkv_kv_cache_usage_ratio": "800m"}
+    assert metrics == {
+        "confkv_requests_waiting": "2000m",
+        "confkv_kv_cache_usage_ratio": "800m",
+        "confkv_agent_scale_out_recommended": "500m",  # the agent's recommendation feeds the HPA
+    }
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 900
     scaled = build_autoscaler("demo", "ns", spec, OPTIONAL_KINDS)
     assert scaled["kind"] == "ScaledObject" and scaled["spec"]["maxReplicaCount"] == 6
