@@ -9,8 +9,8 @@ so the agent's judgement feeds the autoscaler instead of duplicating it. The HPA
 metrics, which prometheus-adapter serves from Prometheus (docs/kubernetes.md gives its rules); the
 ScaledObject asks Prometheus itself. Both target the ConfKVDeployment's scale subresource, so the
 operator carries the replica count to the Deployment and nothing fights over it. GPU pods start in
-minutes and cost a GPU each: scale-up adds one pod per five minutes, scale-down waits ``scaleDownStabilizationSeconds``
-(15 minutes by default) and removes one pod per ten minutes.
+minutes and cost a GPU each: scale-up adds one pod per five minutes, scale-down waits
+``scaleDownStabilizationSeconds`` (15 minutes by default) and removes one pod per ten minutes.
 
 The InferencePool selects the CR's pods on the engine's port and names the endpoint picker Service
 (installed with the EPP's own chart), so a conformant gateway routes by prefix and load.
