@@ -21,21 +21,26 @@ ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = ROOT / "crds" / "confkvdeployments.confkv.io.yaml"
 API_VERSION = "confkv.io/v1alpha1"
 OPEN_SCHEMA = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+OPTIONAL_CRDS = {"monitoring": (("monitoring.coreos.com", "v1", "ServiceMonitor", "servicemonitors"),
+                                 ("monitoring.coreos.com", "v1", "PrometheusRule", "prometheusrules")),
+                  "keda": (("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),),
+                  "inference": (("inference.networking.k8s.io", "v1", "InferencePool", "inferencepools"),)}
 
 
-def install_crds(api: Any, monitoring: bool = False) -> None:
-    """The ConfKVDeployment CRD, and optionally minimal prometheus-operator CRDs."""
+def install_crds(api: Any, monitoring: bool = False, keda: bool = False, inference: bool = False) -> None:
+    """The ConfKVDeployment CRD, and optionally minimal prometheus-operator, KEDA and Inference
+    Extension CRDs (open schemas: the contract tests validate against the real ones)."""
     api.create(yaml.safe_load(CRD_PATH.read_text()))
-    if not monitoring:
-        return
-    for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PrometheusRule", "prometheusrules")):
+    wanted = {"monitoring": monitoring, "keda": keda, "inference": inference}
+    for group, version, kind, plural in (crd for key, crds in OPTIONAL_CRDS.items() if wanted[key]
+                                         for crd in crds):
         api.create({
             "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.monitoring.coreos.com"},
-            "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+            "metadata": {"name": f"{plural}.{group}"},
+            "spec": {"group": group, "scope": "Namespaced",
                      "names": {"kind": kind, "plural": plural, "singular": kind.lower(),
                                "listKind": f"{kind}List"},
-                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+                     "versions": [{"name": version, "served": True, "storage": True, "schema": {
                          "openAPIV3Schema": OPEN_SCHEMA}}]},
         })
 

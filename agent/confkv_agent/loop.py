@@ -243,9 +243,13 @@ class Agent:
                             warning=True)
         elif t.resolved:
             self.kube.event(now, "AlertResolved", f"{t.alert} = {value} (threshold {rule.threshold:g})")
+            self.metrics.scale_out.labels(alert=t.alert).set(0)  # the recommendation ends with its alert
 
     def _record_remediation(self, now: float, action: Action, result: str, message: str) -> None:
         self.metrics.remediations.labels(alert=action.alert, action=action.name, result=result).inc()
+        if action.name == "recommendScaleOut" and result == "recommended":
+            # The autoscaler (HPA or KEDA, spec.autoscaling) acts on it; the agent changes no replicas.
+            self.metrics.scale_out.labels(alert=action.alert).set(1)
         level = logging.WARNING if result == "failed" else logging.INFO
         log_fields(log, level, f"remediation {action.describe()} for {action.alert}: {result}: {message}",
                    alert=action.alert, action=action.name, result=result, overrides=action.overrides,

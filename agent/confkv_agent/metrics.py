@@ -31,8 +31,12 @@ class AgentMetrics:
                                     registry=r)
         self.config_reloads = Counter(_suffixless(names.AGENT_CONFIG_RELOADS), "Config file reloads.",
                                       ["result"], registry=r)
+        self.scale_out = Gauge(names.AGENT_SCALE_OUT_RECOMMENDED,
+                               "1 while a scale-out recommendation stands (read by the autoscaler).",
+                               ["alert"], registry=r)
         for alert in ALERTS:
             self.set_state(alert, AlertState.INACTIVE)
+            self.scale_out.labels(alert=alert).set(0)
 
     def set_state(self, alert: str, state: AlertState) -> None:
         for s in AlertState:

@@ -1,8 +1,10 @@
 """The ``spec`` of a ConfKVDeployment CR (operator only; not part of ``confkv.json``).
 
-The first five groups are the ``confkv.json`` sections; the others (replicas, resources, storage, images)
-only shape the pod. ``engine`` is the engine section plus deployment-only fields (``apiKeySecretRef``)
-that the operator turns into pod settings and strips before writing ``confkv.json``.
+The first five groups are the ``confkv.json`` sections; the others (replicas, resources, storage,
+images, and the sections of ``cluster``: pod, monitoring, networkPolicy, autoscaling, inferencePool)
+only shape the pod and the objects around it. ``engine`` is the engine section plus deployment-only
+fields (``apiKeySecretRef``) that the operator turns into pod settings and strips before writing
+``confkv.json``.
 
 Checks that need the operator's own settings (the hostPath allow-list) are not here: the operator
 applies them on top of this model (``confkv_operator.hostpaths``). What is here is also in the CRD's
@@ -16,6 +18,15 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from .cluster import (
+    QUANTITY_PATTERN,
+    AutoscalingSpec,
+    ClaimSpec,
+    InferencePoolSpec,
+    MonitoringSpec,
+    NetworkPolicySpec,
+    PodSpecSection,
+)
 from .config import (
     AlertsSection,
     ConfigError,
@@ -33,8 +44,6 @@ OPERATOR_OWNED_FIELDS: frozenset[tuple[str, str]] = frozenset({
     ("engine", "host"), ("engine", "grpcSocket"), ("engine", "cacheDir"), ("engine", "apiKey"),
 })
 
-#: A Kubernetes resource quantity ("4", "500m", "96Gi", "1e3").
-QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkKMGTPE]i?)?$"
 #: An absolute node path in canonical form: no "." or ".." segment, no empty segment ("//"), no trailing
 #: slash, not "/" itself. RE2-compatible (no look-ahead), so the CRD carries the same pattern.
 HOST_PATH_PATTERN = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
@@ -98,7 +107,7 @@ class ResourceQuantities(_Model):
 class ResourcesSpec(_Model):
     """Per-pod resources of the engine container; ``gpusPerPod`` > 0 adds ``nvidia.com/gpu`` limits."""
 
-    gpus_per_pod: int = Field(default=0, ge=0, le=16)
+    gpus_per_pod: int = Field(default=0, ge=0, le=16)  # > 1 refused by DeploymentSpec, for now
     requests: ResourceQuantities = ResourceQuantities()
     limits: ResourceQuantities = ResourceQuantities()
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -106,14 +115,16 @@ class ResourcesSpec(_Model):
 
 
 class CacheStorageSpec(_Model):
-    """The NVMe volume for spilled blocks and the rebuild log: an emptyDir (default), an existing
-    PVC (``claimName``) or a node directory (``hostPath``, only under a prefix the operator allows)."""
+    """The NVMe volume for spilled blocks and the rebuild log: an emptyDir (default), a PVC
+    (``claimName``; the operator creates it with ``createClaim``) or a node directory (``hostPath``,
+    only under a prefix the operator allows)."""
 
     type: Literal["emptyDir", "pvc", "hostPath"] = "emptyDir"
     claim_name: str | None = None
     host_path: str | None = None
     size: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
     mount_path: str = "/var/cache/confkv"
+    create_claim: ClaimSpec | None = None
 
     @field_validator("host_path")
     @classmethod
@@ -135,16 +146,26 @@ class CacheStorageSpec(_Model):
             raise ValueError(f"cacheStorage.hostPath is only used with type 'hostPath', not {self.type!r}")
         if not self.mount_path.startswith("/"):
             raise ValueError(f"cacheStorage.mountPath must be absolute, got {self.mount_path!r}")
+        if self.create_claim is not None and (self.type != "pvc" or not self.size):
+            raise ValueError("cacheStorage.createClaim needs type 'pvc' and a size")
         return self
 
 
 class ModelStorageSpec(_Model):
     """Where model files live in the pod: a PVC (pre-populated, or filled by the fetch init container
-    when ``model.hfId`` is set) mounted at ``mountPath``; without a claim, an emptyDir."""
+    when ``model.hfId`` is set; the operator creates it with ``createClaim``) mounted at ``mountPath``;
+    without a claim, an emptyDir."""
 
     claim_name: str | None = None
     mount_path: str = "/models"
     size: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    create_claim: ClaimSpec | None = None
+
+    @model_validator(mode="after")
+    def _claim(self) -> ModelStorageSpec:
+        if self.create_claim is not None and (not self.claim_name or not self.size):
+            raise ValueError("modelStorage.createClaim needs claimName and size")
+        return self
 
 
 class ImageSpec(_Model):
@@ -168,6 +189,12 @@ class DeploymentSpec(_Model):
     cache_storage: CacheStorageSpec = CacheStorageSpec()
     model_storage: ModelStorageSpec = ModelStorageSpec()
     image: ImageSpec = ImageSpec()
+    pod: PodSpecSection = PodSpecSection()
+    progress_deadline_seconds: int | None = Field(default=None, ge=60, le=86400)
+    monitoring: MonitoringSpec = MonitoringSpec()
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    inference_pool: InferencePoolSpec = InferencePoolSpec()
 
     @model_validator(mode="after")
     def _model_location(self) -> DeploymentSpec:
@@ -178,6 +205,10 @@ class DeploymentSpec(_Model):
             )
         if self.model.token_secret_ref and not self.model.hf_id:
             raise ValueError("model.tokenSecretRef is only used with model.hfId")
+        if self.resources.gpus_per_pod > 1:
+            # The engine drives one GPU; more would be held idle until tensor parallelism lands.
+            raise ValueError(f"resources.gpusPerPod {self.resources.gpus_per_pod} is not supported yet: the "
+                             "engine uses one GPU per pod (scale out with replicas instead)")
         return self
 
     def engine_section(self) -> EngineSection:

@@ -42,3 +42,6 @@ AGENT_VRAM_USED_RATIO = "confkv_agent_vram_used_ratio"  # gauge, labels: source=
 AGENT_ENGINE_UP = "confkv_agent_engine_up"  # gauge, 1 when the engine's control socket answers
 AGENT_POLICY_VERSION = "confkv_agent_policy_version"  # gauge, the engine's live policy version
 AGENT_CONFIG_RELOADS = "confkv_agent_config_reloads"  # counter, label: result=applied|invalid
+# gauge, label: alert; 1 while the agent's scale-out recommendation for that alert stands (the
+# autoscaler reads it), 0 once the alert resolves
+AGENT_SCALE_OUT_RECOMMENDED = "confkv_agent_scale_out_recommended"

@@ -1,7 +1,8 @@
 """Pure builders: a validated spec in, Kubernetes object dicts out (no I/O, no Kopf).
 
-Names: the Deployment, Service and PodDisruptionBudget carry the CR's name; the ConfigMap is
-``<name>-config``; the agent's ServiceAccount, Role and RoleBinding are ``<name>-agent``.
+Names: the Deployment, Service, PodDisruptionBudget, NetworkPolicy, ServiceMonitor, PrometheusRule,
+HPA/ScaledObject and InferencePool carry the CR's name; the ConfigMap is ``<name>-config``; the
+metrics Service ``<name>-metrics``; the agent's ServiceAccount, Role and RoleBinding are ``<name>-agent``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from confkv_api.deployment import DeploymentSpec
 
 from . import names as n
 from .monitoring import build_prometheus_rule
+from .network import build_metrics_service, build_network_policy, build_service, build_service_monitor
 from .pod import build_deployment
 from .rbac import AGENT_RULES
+from .scaling import build_autoscaler, build_inference_pool
 from .settings import OperatorSettings
 
 Obj = dict[str, Any]
@@ -41,21 +44,6 @@ def build_config_map(name: str, spec: DeploymentSpec) -> Obj:
     document = json.dumps(dump_config(engine_config(spec)), indent=2, sort_keys=True)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(n.config_map_name(name), name),
             "data": {n.CONFIG_FILE: document}}
-
-
-def build_service(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> Obj:
-    return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, name),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": n.selector_labels(name),
-            "ports": [
-                {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"},
-                {"name": "agent-http", "port": settings.agent_port, "targetPort": "agent-http",
-                 "protocol": "TCP"},
-            ],
-        },
-    }
 
 
 def build_service_account(name: str) -> Obj:
@@ -88,30 +76,38 @@ def build_pdb(name: str) -> Obj:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": n.selector_labels(name)}}}
 
 
-def build_service_monitor(name: str) -> Obj:
-    endpoints = [{"port": port, "path": "/metrics", "interval": "30s"} for port in ("http", "agent-http")]
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(name, name),
-            "spec": {"selector": {"matchLabels": n.selector_labels(name)}, "endpoints": endpoints}}
+#: Kinds from optional CRDs the operator renders when the cluster serves them.
+OPTIONAL_KINDS = frozenset({"ServiceMonitor", "PrometheusRule", "ScaledObject", "InferencePool"})
 
 
 def build_children(name: str, namespace: str, spec: DeploymentSpec, settings: OperatorSettings,
-                   monitoring: frozenset[str] = frozenset()) -> list[Obj]:
-    """Every child of one CR, in creation order. ``monitoring`` holds the kinds whose CRDs exist
-    (``ServiceMonitor``, ``PrometheusRule``)."""
+                   served: frozenset[str] = frozenset(), native_sidecars: bool = True) -> list[Obj]:
+    """Every child of one CR, in creation order (claims excluded: ``build_claims``). ``served`` holds
+    the optional kinds whose CRDs exist (``OPTIONAL_KINDS``); ``native_sidecars``: the cluster runs
+    init containers with ``restartPolicy: Always``."""
     children = [
         build_config_map(name, spec),
         build_service_account(name),
         build_role(name),
         build_role_binding(name, namespace),
-        build_deployment(name, spec, settings),
-        build_service(name, spec, settings),
+        build_deployment(name, spec, settings, native_sidecars),
+        build_service(name, spec),
+        build_metrics_service(name, spec, settings),
         build_pdb(name),
     ]
-    if "ServiceMonitor" in monitoring:
-        children.append(build_service_monitor(name))
-    if "PrometheusRule" in monitoring:
+    if spec.network_policy.enabled:
+        children.append(build_network_policy(name, spec, settings))
+    if spec.monitoring.enabled and "ServiceMonitor" in served:
+        children.append(build_service_monitor(name, spec, settings))
+    if spec.monitoring.enabled and "PrometheusRule" in served:
         on_cpu = spec.engine.device == "cpu" or spec.resources.gpus_per_pod == 0
-        rule = build_prometheus_rule(name, spec.alerts, on_cpu=on_cpu)
-        rule["metadata"].setdefault("labels", {}).update(n.common_labels(name))
+        rule = build_prometheus_rule(name, spec.alerts, on_cpu=on_cpu, namespace=namespace)
+        rule["metadata"]["labels"] = {**settings.monitoring_labels, **spec.monitoring.labels,
+                                      **n.common_labels(name)}
         children.append(rule)
+    autoscaler = build_autoscaler(name, namespace, spec, served)
+    if autoscaler is not None:
+        children.append(autoscaler)
+    if spec.inference_pool.enabled and "InferencePool" in served:
+        children.append(build_inference_pool(name, spec))
     return children

@@ -20,6 +20,7 @@ from . import names as n
 from .builders import build_children
 from .hostpaths import HostPathRefused, split_host_path
 from .kube import Kube, KubeError
+from .podstatus import pods_report
 from .settings import OperatorSettings
 from .status import (
     auth_condition,
@@ -30,9 +31,21 @@ from .status import (
     open_api_message,
     status_delta,
 )
+from .storage import build_claims
 
 log = logging.getLogger(__name__)
-_MONITORING_GV = "monitoring.coreos.com/v1"
+#: group/version -> the optional kinds looked up there (``builders.OPTIONAL_KINDS``).
+_OPTIONAL_GROUPS = {"monitoring.coreos.com/v1": {"ServiceMonitor", "PrometheusRule"},
+                    "keda.sh/v1alpha1": {"ScaledObject"},
+                    "inference.networking.k8s.io/v1": {"InferencePool"}}
+#: Children a spec can switch off, named after the CR: deleted when no longer wanted.
+SWITCHABLE_KINDS = (("networking.k8s.io/v1", "NetworkPolicy"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+                    ("monitoring.coreos.com/v1", "PrometheusRule"),
+                    ("autoscaling/v2", "HorizontalPodAutoscaler"), ("keda.sh/v1alpha1", "ScaledObject"),
+                    ("inference.networking.k8s.io/v1", "InferencePool"))
+_ALWAYS_SERVED = frozenset({"NetworkPolicy", "HorizontalPodAutoscaler"})
+#: Native sidecars (init containers with restartPolicy Always) are on by default from Kubernetes 1.29.
+_NATIVE_SIDECAR_MINOR = 29
 
 
 def _now() -> str:
@@ -73,24 +86,55 @@ def _temporary(err: KubeError) -> kopf.TemporaryError:
     return kopf.TemporaryError(f"Kubernetes API: {err}", delay=delay)
 
 
+def _served(kube: Kube) -> frozenset[str]:
+    kinds: set[str] = set()
+    for group_version, wanted in _OPTIONAL_GROUPS.items():
+        kinds |= kube.served_kinds(group_version) & wanted
+    return frozenset(kinds)
+
+
+def _ensure_claims(kube: Kube, body: kopf.Body, spec: DeploymentSpec) -> int:
+    created = 0
+    for claim, owned in build_claims(body.metadata.name, spec):
+        claim["metadata"]["namespace"] = body.metadata.namespace
+        if owned:
+            kopf.adopt(claim, owner=body)
+        created += kube.ensure_absent_only(claim) == "created"
+    return created
+
+
+def _prune(kube: Kube, body: kopf.Body, children: list[dict[str, Any]], served: frozenset[str]) -> int:
+    """Delete the switchable children the spec no longer asks for (monitoring off, no autoscaling, ...)."""
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
+    name, namespace, uid = body.metadata.name, body.metadata.namespace, body.metadata.uid
+    deleted = 0
+    for api_version, kind in SWITCHABLE_KINDS:
+        if (kind in _ALWAYS_SERVED or kind in served) and (kind, name) not in wanted:
+            deleted += kube.delete_owned(api_version, kind, namespace, name, uid)
+    return deleted
+
+
 def sync(body: kopf.Body, spec: DeploymentSpec, memo: kopf.Memo, patch: kopf.Patch) -> dict[str, int]:
     """Ensure every child and refresh the status; returns counts of created/patched/unchanged children."""
     kube: Kube = memo.kube
     settings: OperatorSettings = memo.settings
     name, namespace = body.metadata.name, body.metadata.namespace
-    monitoring = kube.served_kinds(_MONITORING_GV) & {"ServiceMonitor", "PrometheusRule"}
-    children = build_children(name, namespace, spec, settings, monitoring)
+    native = (kube.server_minor() or 0) >= _NATIVE_SIDECAR_MINOR
+    served = _served(kube)
+    children = build_children(name, namespace, spec, settings, served, native_sidecars=native)
     kopf.adopt(children, owner=body)
-    counts = {"created": 0, "patched": 0, "unchanged": 0}
+    counts = {"created": _ensure_claims(kube, body, spec), "patched": 0, "unchanged": 0}
     for child in children:
         counts[kube.ensure(child)] += 1
+    counts["deleted"] = _prune(kube, body, children, served)
     deployment = kube.get("apps/v1", "Deployment", namespace, name)
+    pods = kube.list_pods(namespace, n.selector_string(name))
     generation = body.metadata.get("generation") or 0
     desired = compute_status(name, namespace, spec.engine.port, spec.model.hf_id or spec.model.source,
-                             spec.replicas, generation, deployment)
+                             spec.replicas, generation, deployment, pods_report(pods))
     ref = spec.engine.api_key_secret_ref
     desired["conditions"].append(auth_condition(name, (ref.name, ref.key) if ref else None, generation))
-    remediation = last_remediation(kube.list_pods(namespace, n.selector_string(name)))
+    remediation = last_remediation(pods)
     if remediation:
         desired["lastRemediation"] = remediation
     _write_status(patch, body.get("status") or {}, desired)
@@ -125,10 +169,11 @@ def resync(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch) -> None:
     except KubeError as err:
         log.warning("resync %s/%s: %s", body.metadata.namespace, body.metadata.name, err)
         return
-    if counts["created"] or counts["patched"]:
+    if counts["created"] or counts["patched"] or counts["deleted"]:
         log.info("resync %s/%s restored children: %s", body.metadata.namespace, body.metadata.name, counts)
         kopf.info(body, reason="ChildrenRestored",
-                  message=f"re-created {counts['created']}, restored {counts['patched']} drifted children")
+                  message=f"re-created {counts['created']}, restored {counts['patched']} drifted, "
+                          f"deleted {counts['deleted']} unwanted children")
 
 
 def configure(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:

@@ -1,12 +1,21 @@
-"""The only module that talks to the Kubernetes API (besides Kopf itself): create-or-patch of children,
+"""The only module that talks to the Kubernetes API (besides Kopf itself): server-side apply of children,
 drift detection on the fields the operator sets, discovery of optional CRDs, pod listing.
 
+Children are written by server-side apply with the field manager ``confkv-operator`` (``force=true``):
+the API server remembers which fields the operator's last apply set, so a field the new desired object
+no longer carries (a nodeSelector, a resource limit, the ``fetch-model`` init container and its volume)
+is removed from the child, while fields other controllers own (an HPA's replicas are not ours anyway, a
+``kubectl rollout restart`` annotation) stay. Each child carries the hash of what was applied
+(``confkv.io/applied-hash``): an apply is sent only when that hash changes (the spec changed) or a field
+the operator sets has drifted, so a steady resync makes no writes.
+
 Requests go through the ``kubernetes`` client's configured ApiClient (in-cluster or kubeconfig auth),
-with plain JSON bodies and JSON merge patches so any API server (and the test emulator) accepts them.
+with JSON bodies (JSON is YAML, so apply patches are JSON too).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -25,8 +34,14 @@ _PLURALS = {
     "Deployment": "deployments", "Role": "roles", "RoleBinding": "rolebindings",
     "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors",
     "PrometheusRule": "prometheusrules", "ConfKVDeployment": "confkvdeployments",
+    "PersistentVolumeClaim": "persistentvolumeclaims", "NetworkPolicy": "networkpolicies",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers", "ScaledObject": "scaledobjects",
+    "InferencePool": "inferencepools",
 }
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+FIELD_MANAGER = "confkv-operator"
+APPLIED_HASH_ANNOTATION = "confkv.io/applied-hash"
 _TIMEOUT = (5.0, 30.0)
 
 
@@ -73,11 +88,20 @@ def drifted(desired: Any, live: Any) -> list[str]:
     return [] if _same_scalar(desired, live) else ["."]
 
 
+def with_applied_hash(desired: Obj) -> Obj:
+    """``desired`` with the hash of its own content in ``confkv.io/applied-hash``."""
+    digest = hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
+    meta = desired["metadata"]
+    annotations = {**(meta.get("annotations") or {}), APPLIED_HASH_ANNOTATION: digest}
+    return {**desired, "metadata": {**meta, "annotations": annotations}}
+
+
 class Kube:
     """Thin synchronous API access; one instance per operator process (thread-safe: urllib3 pool)."""
 
     def __init__(self, api: kubernetes.client.ApiClient) -> None:
         self.api = api
+        self._minor: int | None = None
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -114,25 +138,53 @@ class Kube:
         return self.request("GET", object_path(api_version, kind, namespace, name))
 
     def ensure(self, desired: Obj) -> str:
-        """Create the object, or patch the fields that drifted. Returns created / patched / unchanged."""
+        """Apply the object when it is absent, its desired state changed or a field it sets drifted.
+        Returns created / patched / unchanged."""
+        desired = with_applied_hash(desired)
         meta = desired["metadata"]
         path = object_path(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
         live = self.request("GET", path)
         if live is None:
-            try:
-                self.request("POST", object_path(desired["apiVersion"], desired["kind"], meta["namespace"]),
-                             desired)
-                return "created"
-            except KubeError as err:
-                if err.status != 409:  # 409: created concurrently (timer vs. handler); patch instead
-                    raise
-                live = self.request("GET", path) or {}
-        paths = drifted(desired, live)
-        if not paths:
+            self.apply(path, desired)
+            return "created"
+        changed = (live.get("metadata", {}).get("annotations") or {}).get(APPLIED_HASH_ANNOTATION) != \
+            meta["annotations"][APPLIED_HASH_ANNOTATION]
+        paths = [] if changed else drifted(desired, live)
+        if not changed and not paths:
             return "unchanged"
-        log.info("restoring %s/%s: drifted at %s", desired["kind"], meta["name"], ", ".join(paths[:5]))
-        self.request("PATCH", path, desired, content_type=MERGE_PATCH)
+        log.info("applying %s/%s: %s", desired["kind"], meta["name"],
+                 "desired state changed" if changed else "drifted at " + ", ".join(paths[:5]))
+        self.apply(path, desired)
         return "patched"
+
+    def ensure_absent_only(self, desired: Obj) -> str:
+        """Create the object when absent and never touch it afterwards (PersistentVolumeClaims: their
+        spec is immutable once bound, and the data on them is the user's)."""
+        meta = desired["metadata"]
+        path = object_path(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+        if self.request("GET", path) is not None:
+            return "unchanged"
+        self.apply(path, desired)
+        return "created"
+
+    def delete_owned(self, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete the object when it exists and ``owner_uid`` controls it (a child the spec no longer
+        asks for); objects of the same name that someone else made are left alone."""
+        path = object_path(api_version, kind, namespace, name)
+        live = self.request("GET", path)
+        refs = (live or {}).get("metadata", {}).get("ownerReferences") or []
+        if not any(ref.get("uid") == owner_uid and ref.get("controller") for ref in refs):
+            return False
+        try:
+            self.request("DELETE", path)
+        except KubeError as err:
+            if err.status != 404:
+                raise
+        return True
+
+    def apply(self, path: str, desired: Obj) -> Obj | None:
+        return self.request("PATCH", path, desired, content_type=APPLY_PATCH,
+                            query={"fieldManager": FIELD_MANAGER, "force": "true"})
 
     def served_kinds(self, group_version: str) -> frozenset[str]:
         """Kinds served under ``/apis/<group_version>`` (empty when the group is not installed)."""
@@ -143,6 +195,17 @@ class Kube:
                 return frozenset()
             raise
         return frozenset(r["kind"] for r in (doc or {}).get("resources", []) if "/" not in r["name"])
+
+    def server_minor(self) -> int | None:
+        """The API server's minor version (``/version``), read once; None when it cannot be read."""
+        if self._minor is None:
+            try:
+                doc = self.request("GET", "/version") or {}
+            except KubeError:
+                return None  # asked again next time
+            digits = "".join(ch for ch in str(doc.get("minor", "")) if ch.isdigit())  # "29+" on EKS/GKE
+            self._minor = int(digits) if digits else None
+        return self._minor
 
     def list_pods(self, namespace: str, selector: str) -> list[Obj]:
         doc = self.request("GET", f"/api/v1/namespaces/{quote(namespace)}/pods",

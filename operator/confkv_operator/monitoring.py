@@ -2,8 +2,9 @@
 
 The expressions mirror the agent's own rules (same thresholds, ``for``, latency signal and quantile,
 and the CPU latency threshold for a deployment without GPUs), so Alertmanager and the agent agree on
-what is firing. Series are selected by the ``service`` label the ServiceMonitor adds. Rates span 5m
-(several scrapes); the agent, which samples every few seconds, uses shorter windows.
+what is firing. Series are selected by the ``namespace`` and ``service`` labels the ServiceMonitor
+gives them (``service`` is the CR's name), so same-named deployments in two namespaces keep their own
+alerts. Rates span 5m (several scrapes); the agent, which samples every few seconds, uses shorter windows.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ _ALERT_NAMES = {
 }
 
 
-def alert_expr(key: str, rule: AlertRule, service: str) -> str:
-    """PromQL for one of the four rules, scoped to one deployment's Service."""
-    sel = f'{{service="{service}"}}'
+def alert_expr(key: str, rule: AlertRule, service: str, namespace: str | None = None) -> str:
+    """PromQL for one of the four rules, scoped to one deployment (its namespace, when given)."""
+    scope = f'namespace="{namespace}", ' if namespace else ""
+    sel = f'{{{scope}service="{service}"}}'
     if key == "vram":
         return (f"max({m.DEVICE_MEMORY_EFFECTIVE_USED_BYTES}{sel} / {m.DEVICE_MEMORY_TOTAL_BYTES}{sel}) "
                 f"> {rule.threshold:g}")
@@ -58,7 +60,7 @@ def _summary(key: str, rule: AlertRule) -> str:
     return _SUMMARY[key].format(threshold=rule.threshold, signal=signal, quantile=100 * LATENCY_QUANTILE)
 
 
-def build_alert_rules(name: str, alerts: AlertsSection) -> list[dict[str, Any]]:
+def build_alert_rules(name: str, alerts: AlertsSection, namespace: str | None = None) -> list[dict[str, Any]]:
     rules = []
     for field, info in AlertsSection.model_fields.items():
         key = info.alias or field
@@ -67,7 +69,7 @@ def build_alert_rules(name: str, alerts: AlertsSection) -> list[dict[str, Any]]:
             continue
         rules.append({
             "alert": _ALERT_NAMES[key],
-            "expr": alert_expr(key, rule, name),
+            "expr": alert_expr(key, rule, name, namespace),
             "for": rule.for_,
             "labels": {"severity": "warning", "confkv_deployment": name},
             "annotations": {"summary": f"{name}: " + _summary(key, rule)},
@@ -75,12 +77,13 @@ def build_alert_rules(name: str, alerts: AlertsSection) -> list[dict[str, Any]]:
     return rules
 
 
-def build_prometheus_rule(name: str, alerts: AlertsSection, on_cpu: bool = False) -> dict[str, Any]:
+def build_prometheus_rule(name: str, alerts: AlertsSection, on_cpu: bool = False,
+                          namespace: str | None = None) -> dict[str, Any]:
     """``on_cpu``: the deployment's engine runs on CPU (no GPU requested), as the agent will see it."""
     alerts = alerts_for_device(alerts, on_cpu)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": name},
-        "spec": {"groups": [{"name": f"confkv-{name}", "rules": build_alert_rules(name, alerts)}]},
+        "spec": {"groups": [{"name": f"confkv-{name}", "rules": build_alert_rules(name, alerts, namespace)}]},
     }

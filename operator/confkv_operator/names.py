@@ -35,6 +35,10 @@ def config_map_name(name: str) -> str:
     return f"{name}-config"
 
 
+def metrics_service_name(name: str) -> str:
+    return f"{name}-metrics"
+
+
 def agent_account_name(name: str) -> str:
     return f"{name}-agent"
 

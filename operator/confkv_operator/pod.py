@@ -1,5 +1,17 @@
 """Pure builder of the serving Deployment: engine container, agent sidecar, volumes, probes, security.
 
+The agent is a native sidecar (an init container with ``restartPolicy: Always``, Kubernetes 1.29+) unless
+the cluster is older or ``pod.nativeSidecar`` is false; it has no readiness probe in either form, so
+only the engine's readiness decides whether the pod receives traffic (a stalled agent is restarted by
+its liveness probe, never takes a healthy engine out of the Service).
+
+The engine image is ``spec.image.engine``, else the operator's CUDA image for a pod with a GPU, else
+its CPU image. The engine's termination message falls back to its log tail, so a start-up failure
+(``device cuda requested but ...``) reaches the CR's conditions.
+
+``progressDeadlineSeconds`` covers a first start: the model download (with ``model.hfId``), the
+startup probe's 30 minutes of loading and the image pulls, so a slow first start reads as Progressing.
+
 Credentials: the pod does not automount its service account token. The engine serves the network and
 never talks to the Kubernetes API, so it gets no token; the agent (Events, its pod's annotation) gets a
 projected, expiring token volume at the standard path, which the kubernetes client's in-cluster loader
@@ -17,10 +29,15 @@ from confkv_api.deployment import DeploymentSpec
 
 from . import names as n
 from .hostpaths import split_host_path
+from .overrides import merge_template
 from .settings import OperatorSettings
 
 _HTTP_PORT = "http"
 _AGENT_PORT = "agent-http"
+STARTUP_PERIOD_SECONDS = 10
+STARTUP_FAILURES = 180  # x 10 s: a 32B model may load for up to 30 minutes
+DOWNLOAD_ALLOWANCE_SECONDS = 3600  # ~65 GB at ~20 MB/s, the slow end of a Hugging Face download
+PULL_ALLOWANCE_SECONDS = 600  # scheduling and pulling a multi-GB CUDA image
 
 _CONTAINER_SECURITY = {
     "runAsNonRoot": True,
@@ -77,10 +94,25 @@ def _engine_env(name: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
     if ref is not None:
         env.append({"name": "CONFKV_API_KEY",
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    env += [var.model_dump(by_alias=True, exclude_none=True) for var in spec.pod.env]
     return env
 
 
-def _engine_container(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
+def engine_image(spec: DeploymentSpec, settings: OperatorSettings) -> str:
+    if spec.image.engine:
+        return spec.image.engine
+    return settings.engine_cuda_image if spec.resources.gpus_per_pod > 0 else settings.engine_image
+
+
+def progress_deadline(spec: DeploymentSpec) -> int:
+    """Seconds a rollout may go without progress before the Deployment reports it stuck."""
+    if spec.progress_deadline_seconds is not None:
+        return spec.progress_deadline_seconds
+    download = DOWNLOAD_ALLOWANCE_SECONDS if spec.model.hf_id else 0
+    return download + STARTUP_PERIOD_SECONDS * STARTUP_FAILURES + PULL_ALLOWANCE_SECONDS
+
+
+def _engine_mounts(spec: DeploymentSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
     mounts = [
         {"name": "config", "mountPath": n.CONFIG_DIR, "readOnly": True},
         {"name": "socket", "mountPath": n.SOCKET_DIR},
@@ -89,20 +121,29 @@ def _engine_container(name: str, spec: DeploymentSpec, settings: OperatorSetting
     ]
     if uses_model_volume(spec):
         mounts.append({"name": "model", "mountPath": spec.model_storage.mount_path, "readOnly": True})
-    probe = {"httpGet": {"port": _HTTP_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
+    if spec.pod.shm_size:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    mounts += [m.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True) | {"name": m.name}
+               for m in spec.pod.volume_mounts]
+    return mounts
+
+
+def _engine_container(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
+    probe = {"httpGet": {"port": _HTTP_PORT}, "periodSeconds": STARTUP_PERIOD_SECONDS, "timeoutSeconds": 5}
     container = {
         "name": n.ENGINE_CONTAINER,
-        "image": spec.image.engine or settings.engine_image,
+        "image": engine_image(spec, settings),
         "imagePullPolicy": spec.image.pull_policy,
         "command": ["confkv-engine", "--config", f"{n.CONFIG_DIR}/{n.CONFIG_FILE}"],
         "ports": [{"name": _HTTP_PORT, "containerPort": spec.engine.port, "protocol": "TCP"}],
         "env": _engine_env(name, spec),
         # Loading a 32B model takes minutes: the startup probe holds liveness off for up to 30 minutes.
-        "startupProbe": {**_probe(probe, "/health"), "failureThreshold": 180},
+        "startupProbe": {**_probe(probe, "/health"), "failureThreshold": STARTUP_FAILURES},
         "readinessProbe": {**_probe(probe, "/ready"), "failureThreshold": 3},
         "livenessProbe": {**_probe(probe, "/health"), "failureThreshold": 6},
         "securityContext": _CONTAINER_SECURITY,
-        "volumeMounts": mounts,
+        "volumeMounts": _engine_mounts(spec, settings),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = _resources(spec)
     if resources:
@@ -123,7 +164,7 @@ def _agent_container(name: str, spec: DeploymentSpec, settings: OperatorSettings
         "command": ["confkv-agent", "--config", f"{n.CONFIG_DIR}/{n.CONFIG_FILE}"],
         "ports": [{"name": _AGENT_PORT, "containerPort": settings.agent_port, "protocol": "TCP"}],
         "env": [*_env(name), {"name": "CONFKV_AGENT_PORT", "value": str(settings.agent_port)}],
-        "readinessProbe": probe,
+        # No readiness probe: the engine's readiness alone decides whether the pod takes traffic.
         "livenessProbe": {**probe, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": _CONTAINER_SECURITY,
@@ -154,10 +195,11 @@ def _fetch_container(spec: DeploymentSpec, settings: OperatorSettings) -> dict[s
             "name": spec.model.token_secret_ref, "key": "token"}}})
     return {
         "name": n.FETCH_CONTAINER,
-        "image": spec.image.engine or settings.engine_image,
+        "image": engine_image(spec, settings),
         "imagePullPolicy": spec.image.pull_policy,
         "command": ["hf", "download", spec.model.hf_id, "--local-dir", spec.model.source],
         "env": env,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "model", "mountPath": spec.model_storage.mount_path},
@@ -191,10 +233,44 @@ def _volumes(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> lis
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim}} if claim else
                        {"name": "model", "emptyDir": {"sizeLimit": spec.model_storage.size}
                         if spec.model_storage.size else {}})
-    return volumes
+    if spec.pod.shm_size:
+        # NCCL and PyTorch's shared-memory tensors outgrow the runtime's 64 MiB /dev/shm.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}})
+    return volumes + [dict(volume) for volume in spec.pod.volumes]
 
 
-def _pod_spec(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
+def _containers(name: str, spec: DeploymentSpec, settings: OperatorSettings,
+                native_sidecars: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(init containers, containers): the fetch first (the agent has nothing to watch before the
+    model is on disk), then the agent as a native sidecar where the cluster runs them."""
+    init = [_fetch_container(spec, settings)] if spec.model.hf_id else []
+    agent = _agent_container(name, spec, settings)
+    if native_sidecars and spec.pod.native_sidecar:
+        return [*init, {**agent, "restartPolicy": "Always"}], [_engine_container(name, spec, settings)]
+    return init, [_engine_container(name, spec, settings), agent]
+
+
+def _scheduling(spec: DeploymentSpec) -> dict[str, Any]:
+    pod: dict[str, Any] = {}
+    if spec.resources.node_selector:
+        pod["nodeSelector"] = dict(spec.resources.node_selector)
+    if spec.resources.tolerations:
+        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
+                              for t in spec.resources.tolerations]
+    if spec.pod.affinity:
+        pod["affinity"] = dict(spec.pod.affinity)
+    if spec.pod.runtime_class_name:
+        pod["runtimeClassName"] = spec.pod.runtime_class_name
+    if spec.pod.priority_class_name:
+        pod["priorityClassName"] = spec.pod.priority_class_name
+    if spec.pod.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": secret} for secret in spec.pod.image_pull_secrets]
+    return pod
+
+
+def _pod_spec(name: str, spec: DeploymentSpec, settings: OperatorSettings,
+              native_sidecars: bool) -> dict[str, Any]:
+    init, containers = _containers(name, spec, settings, native_sidecars)
     pod: dict[str, Any] = {
         "serviceAccountName": n.agent_account_name(name),
         "automountServiceAccountToken": False,  # only the agent container mounts a token (see above)
@@ -204,39 +280,41 @@ def _pod_spec(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> di
             "runAsNonRoot": True, "runAsUser": n.RUN_AS_USER, "runAsGroup": n.RUN_AS_USER,
             "fsGroup": n.RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_engine_container(name, spec, settings), _agent_container(name, spec, settings)],
+        "containers": containers,
         "volumes": _volumes(name, spec, settings),
     }
-    if spec.model.hf_id:
-        pod["initContainers"] = [_fetch_container(spec, settings)]
-    if spec.resources.node_selector:
-        pod["nodeSelector"] = dict(spec.resources.node_selector)
-    if spec.resources.tolerations:
-        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
-                              for t in spec.resources.tolerations]
-    return pod
+    if init:
+        pod["initContainers"] = init
+    return {**pod, **_scheduling(spec)}
 
 
-def build_deployment(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
-    """The serving Deployment. Policy sections never reach the template (they are applied live)."""
+def build_deployment(name: str, spec: DeploymentSpec, settings: OperatorSettings,
+                     native_sidecars: bool = True) -> dict[str, Any]:
+    """The serving Deployment. Policy sections never reach the template (they are applied live).
+    ``native_sidecars``: the cluster runs init containers with ``restartPolicy: Always`` (1.29+)."""
     # A GPU pod cannot surge onto a full node: replace pods one at a time instead.
     strategy = ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
                 if spec.resources.gpus_per_pod > 0 else
                 {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
+    template = {
+        "metadata": {
+            "labels": {**spec.pod.labels, **n.common_labels(name)},
+            "annotations": {**spec.pod.annotations, n.RESTART_CHECKSUM_ANNOTATION: restart_checksum(spec)},
+        },
+        "spec": _pod_spec(name, spec, settings, native_sidecars),
+    }
+    if spec.pod.template:
+        template = merge_template(template, spec.pod.template)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "labels": n.common_labels(name)},
         "spec": {
+            # With autoscaling the HPA or KEDA scale the CR (its scale subresource): the count arrives here.
             "replicas": spec.replicas,
             "selector": {"matchLabels": n.selector_labels(name)},
             "strategy": strategy,
-            "template": {
-                "metadata": {
-                    "labels": n.common_labels(name),
-                    "annotations": {n.RESTART_CHECKSUM_ANNOTATION: restart_checksum(spec)},
-                },
-                "spec": _pod_spec(name, spec, settings),
-            },
+            "progressDeadlineSeconds": progress_deadline(spec),
+            "template": template,
         },
     }

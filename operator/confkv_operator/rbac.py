@@ -17,8 +17,13 @@ Verb by verb, what each permission is for:
 - ``events`` create: Kopf's Warning Events (invalid spec, API open). No Event reads.
 - ``pods`` list: the agents' last-remediation annotations for the status. No pod writes of its own.
 - children (configmaps, services, serviceaccounts, deployments, poddisruptionbudgets, roles, rolebindings,
-  servicemonitors, prometheusrules) get/create/patch: create-or-patch with drift repair. No delete: every
-  child has an ownerReference and the garbage collector removes it with the CR.
+  networkpolicies, servicemonitors, prometheusrules, horizontalpodautoscalers, scaledobjects,
+  inferencepools) get/create/patch: server-side apply (a PATCH; creating through it also needs create)
+  with drift repair. Every child has an ownerReference and the garbage collector removes it with the
+  CR; delete only on the children a spec can switch off (networkpolicies, servicemonitors,
+  prometheusrules, horizontalpodautoscalers, scaledobjects, inferencepools), and only those the CR
+  controls.
+- persistentvolumeclaims get/create/patch: claims the spec asks the operator to create, once (apply).
 - pods get/patch and ``confkvdeployments`` get: held only to grant them to the agent (see below).
 
 What RBAC cannot narrow for the agent (its per-CR Role narrows what it can):
@@ -70,7 +75,15 @@ OPERATOR_API_RULES: list[Rule] = [
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
      "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors", "prometheusrules"],
-     "verbs": ["get", "create", "patch"]},
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+     "verbs": ["get", "create", "patch", "delete"]},
 ]
 
 

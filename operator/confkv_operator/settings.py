@@ -7,7 +7,9 @@
 | CONFKV_HOST_PATH_PREFIXES | "" (none) | comma-separated node directories a CR's hostPath cache may use |
 | CONFKV_RESYNC_SECONDS | 30 | timer: drift correction, re-creation of deleted children, status |
 | CONFKV_ENGINE_IMAGE | ghcr.io/confkv/confkv:0.1.0 | default engine image (spec.image.engine overrides) |
+| CONFKV_ENGINE_CUDA_IMAGE | ghcr.io/confkv/confkv:0.1.0-cuda | engine image of GPU pods (image.engine wins) |
 | CONFKV_AGENT_IMAGE | the engine image | default agent image (spec.image.agent overrides) |
+| CONFKV_MONITORING_LABELS | "" | k=v,... labels on each ServiceMonitor/PrometheusRule (release=...) |
 | CONFKV_AGENT_PORT | 9100 | the agent's HTTP port (/health, /metrics) |
 | CONFKV_LIVENESS_PORT | 8080 | Kopf liveness endpoint port (0 disables it) |
 | CONFKV_PEERING_PRIORITY | 0 | Kopf peering priority; only used when CONFKV_PEERING_NAME is set |
@@ -49,7 +51,9 @@ class OperatorSettings(BaseModel):
     host_path_prefixes: tuple[str, ...] = ()
     resync_seconds: float = Field(default=30.0, gt=0.0, le=86_400.0)
     engine_image: str = Field(default="ghcr.io/confkv/confkv:0.1.0", min_length=1)
+    engine_cuda_image: str = Field(default="ghcr.io/confkv/confkv:0.1.0-cuda", min_length=1)
     agent_image: str = ""
+    monitoring_labels: dict[str, str] = Field(default_factory=dict)
     agent_port: int = Field(default=9100, ge=1, le=65535)
     liveness_port: int = Field(default=8080, ge=0, le=65535)
     peering_priority: int = 0
@@ -62,6 +66,21 @@ class OperatorSettings(BaseModel):
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
+
+    @field_validator("monitoring_labels", mode="before")
+    @classmethod
+    def _labels(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        labels = {}
+        for part in (p.strip() for p in value.split(",")):
+            if not part:
+                continue
+            key, sep, val = part.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"{part!r} is not key=value")
+            labels[key.strip()] = val.strip()
+        return labels
 
     @field_validator("host_path_prefixes")
     @classmethod

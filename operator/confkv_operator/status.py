@@ -1,7 +1,13 @@
 """Pure status computation: the CR's ``status`` from the child Deployment and the agents' pod annotations.
 
 Phases: Invalid (spec fails validation), Pending (no Deployment yet), Progressing (a rollout is under
-way), Running (all replicas ready), Degraded (rollout finished or stuck, yet not all replicas ready).
+way), Running (all replicas ready), Degraded (rollout finished or stuck, yet not all replicas ready, or
+a pod fails in a way a human must fix: see ``podstatus``).
+
+A rollout is under way while the Deployment's own ``Progressing`` condition says so (any reason but
+``NewReplicaSetAvailable``); it is stuck only at ``ProgressDeadlineExceeded``, so a first start that
+downloads and loads a large model reads Progressing (reason: the pods' stage) until the deadline the
+operator sized for it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import names as n
+from .podstatus import PodReport
 
 Obj = Mapping[str, Any]
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "APIAuthenticated")
@@ -25,14 +32,16 @@ def _deployment_state(dep: Obj | None, desired: int) -> tuple[int, int, bool, st
     updated = int(st.get("updatedReplicas") or 0)
     generation = dep.get("metadata", {}).get("generation")
     observed = st.get("observedGeneration")
-    stuck = any(c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
-                for c in st.get("conditions") or [])
-    if stuck:
+    progress = next((c for c in st.get("conditions") or [] if c.get("type") == "Progressing"), {})
+    if progress.get("reason") == "ProgressDeadlineExceeded":
         return replicas, ready, False, "ProgressDeadlineExceeded"
     if observed is None or (generation is not None and observed < generation):
         return replicas, ready, True, "RolloutPending"
     if updated < desired or replicas > desired:
         return replicas, ready, True, "RollingUpdate"
+    if progress.get("status") == "True" and progress.get("reason") != "NewReplicaSetAvailable" \
+            and ready < desired:
+        return replicas, ready, True, "ReplicaSetUpdated"  # pods still starting, within the deadline
     return replicas, ready, False, "RolloutComplete"
 
 
@@ -68,18 +77,24 @@ def invalid_status(message: str, generation: int) -> dict[str, Any]:
 
 
 def compute_status(name: str, namespace: str, port: int, model: str, desired: int, generation: int,
-                   deployment: Obj | None) -> dict[str, Any]:
-    """Status fields for a valid spec (conditions without timestamps; see ``merge_conditions``)."""
+                   deployment: Obj | None, pods: PodReport | None = None) -> dict[str, Any]:
+    """Status fields for a valid spec (conditions without timestamps; see ``merge_conditions``).
+    ``pods``: the most telling finding about the pods (``podstatus.pods_report``)."""
     replicas, ready, progressing, reason = _deployment_state(deployment, desired)
     all_ready = ready >= desired and not progressing
-    degraded = not progressing and ready < desired
+    failing = pods is not None and pods.failing and not all_ready
+    degraded = failing or (not progressing and ready < desired)
     if all_ready:
         phase = "Running"
-    elif progressing:
-        phase = "Pending" if deployment is None else "Progressing"
-    else:
+    elif degraded:
         phase = "Degraded"
+    else:
+        phase = "Pending" if deployment is None else "Progressing"
     counts = f"{ready}/{desired} replicas ready"
+    stage = f"{counts}; {pods.message}" if pods is not None and not all_ready else counts
+    if progressing and pods is not None and not pods.failing:
+        reason = pods.reason
+    degraded_reason = pods.reason if failing and pods else reason
     return {
         "phase": phase,
         "replicas": replicas,
@@ -91,8 +106,9 @@ def compute_status(name: str, namespace: str, port: int, model: str, desired: in
         "conditions": [
             _condition("Ready", all_ready, "AllReplicasReady" if all_ready else "NotReady", counts,
                        generation),
-            _condition("Progressing", progressing, reason, counts, generation),
-            _condition("Degraded", degraded, reason if degraded else "AsExpected", counts, generation),
+            _condition("Progressing", progressing, reason, stage, generation),
+            _condition("Degraded", degraded, degraded_reason if degraded else "AsExpected", stage,
+                       generation),
             _condition("InvalidSpec", False, "Valid", "", generation),
         ],
     }

@@ -57,7 +57,8 @@ What it does:
 - Built-in types: namespaces, configmaps, secrets, services, serviceaccounts, pods, nodes, events (core
   and events.k8s.io), apps/v1 deployments (status + scale), policy/v1 poddisruptionbudgets, RBAC roles,
   rolebindings, clusterroles, clusterrolebindings, apiextensions.k8s.io/v1 customresourcedefinitions,
-  coordination.k8s.io/v1 leases. Creating a CRD registers its type (versions, names, shortNames,
+  coordination.k8s.io/v1 leases, persistentvolumeclaims, networking.k8s.io/v1 networkpolicies,
+  autoscaling/v2 horizontalpodautoscalers. Creating a CRD registers its type (versions, names, shortNames,
   scope, status/scale subresources) in discovery and CRUD at once; deleting it removes the type and
   its objects. Anything else (kopf peerings, ServiceMonitor, ...) exists only through its CRD.
 - CRUD: uid, global resourceVersion bumped on every change (no-op writes do not bump it), generation
@@ -70,7 +71,8 @@ What it does:
   Scale subresource via specReplicasPath/statusReplicasPath/labelSelectorPath.
 - PATCH: merge-patch (RFC 7386), json-patch (RFC 6902 incl. `test`; failures are 422 like the real
   server, which Kopf relies on), strategic-merge (approximation, see `patching`), apply-patch+yaml
-  (create-or-strategic-merge; no field managers or conflicts).
+  (server-side apply: `fieldManager` required, `managedFields` per manager, fields a manager's new
+  apply leaves out are removed, then strategic merge; no conflicts; see `managed`).
 - Watches: newline-delimited JSON, chunked, open until timeoutSeconds or server stop/reset. With a
   resourceVersion N only events after N are sent (from a bounded history; older -> ERROR 410); with
   none or "0" the current objects come first as ADDED (plus the initial-events-end BOOKMARK when
@@ -80,8 +82,8 @@ What it does:
   Foreground is treated as Background), namespace deletion deletes its contents at once.
 
 What it does NOT do: OpenAPI/CRD schema validation, defaulting beyond Deployment spec.replicas=1 and
-Namespace status.phase, CEL, RBAC/authentication, admission, field management, version conversion,
-pagination (`limit` is ignored, everything comes in one page), watch bookmarks (except the
+Namespace status.phase, CEL, RBAC/authentication, admission, field ownership of non-apply writes,
+version conversion, pagination (`limit` is ignored, everything comes in one page), watch bookmarks (except the
 initial-events-end one), DeleteOptions preconditions, protobuf (bodies other than JSON get 415, so
 kubectl's imperative generators such as `kubectl create configmap x --from-literal=...`, which send
 protobuf, fail: use `kubectl apply/create -f` manifests), Tables in watch streams (`kubectl get -w`),

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import discovery, errors, patching, routing, tables
+from . import discovery, errors, managed, patching, routing, tables
 from .errors import ApiError
 from .registry import ResourceType, ScaleSpec
 from .selectors import field_matcher, label_matcher, selector_string
@@ -168,11 +168,8 @@ class EmulatorApp:
             return _json(
                 self._write_scale(target, lambda scale: patching.apply_patch(content_type, scale, patch))
             )
-        if content_type == patching.APPLY and self.store.find(target.rtype, target.namespace, name) is None:
-            if not isinstance(patch, dict):
-                raise errors.bad_request("apply patch must be an object")
-            body = patching.merge_patch(patch, {"metadata": {"name": name}})
-            return _json(_versioned(self.store.create(target.rtype, target.namespace, body), target), 201)
+        if content_type == patching.APPLY:
+            return self._apply(request, target, name, patch)
         obj = self.store.modify(
             target.rtype,
             target.namespace,
@@ -181,6 +178,26 @@ class EmulatorApp:
             target.subresource,
         )
         return _json(_versioned(obj, target))
+
+    def _apply(self, request: web.Request, target: routing.Target, name: str, patch: Any) -> web.Response:
+        """Server-side apply with field ownership (``managed``): a manager's fields that its new apply
+        leaves out are removed. Creating through apply also needs the ``create`` verb, as on a real server."""
+        manager = request.query.get("fieldManager")
+        if not manager:
+            raise errors.bad_request("PATCH is not supported: fieldManager is required for apply patch")
+        if not isinstance(patch, dict):
+            raise errors.bad_request("apply patch must be an object")
+        if self.store.find(target.rtype, target.namespace, name) is None:
+            self.log(routing.RequestRecord("create", request.path, target.rbac_resource, target.namespace),
+                     target.rtype.group)
+            body = managed.record(patching.merge_patch(patch, {"metadata": {"name": name}}), manager, patch)
+            return _json(_versioned(self.store.create(target.rtype, target.namespace, body), target), 201)
+
+        def change(current: Obj) -> Obj:
+            pruned = managed.prune(current, managed.owned(current, manager) - managed.field_paths(patch))
+            return managed.record(patching.strategic_merge(pruned, patch), manager, patch)
+
+        return _json(_versioned(self.store.modify(target.rtype, target.namespace, name, change), target))
 
     def _write_scale(self, target: routing.Target, change: Callable[[Obj], Any]) -> Obj:
         scale_spec = target.rtype.scale

@@ -5,8 +5,8 @@ Approximations (documented because tests may depend on them):
   below are merged item by item on their merge key (`name` for containers/env/volumes, ...);
   `$patch`, `$setElementOrder/...`, `$retainKeys` and `$deleteFromPrimitiveList/...` directives are
   dropped rather than honoured, except `$patch: delete` on a list item, which removes that item.
-- server-side apply (`application/apply-patch+yaml`) = create the object if absent, else strategic
-  merge of the applied manifest; no field ownership, no conflicts, `fieldManager` is ignored.
+- server-side apply (`application/apply-patch+yaml`): `app` removes the fields the manager owned and no
+  longer applies (`managed`), then strategic merge of the applied manifest; no conflicts.
 """
 
 from __future__ import annotations

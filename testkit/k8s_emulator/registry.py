@@ -136,6 +136,10 @@ BUILTINS: tuple[ResourceType, ...] = (
         status=True,
     ),
     _t("coordination.k8s.io", "v1", "leases", "Lease"),
+    _t("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", short_names=("pvc",), status=True),
+    _t("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)),
+    _t("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", short_names=("hpa",),
+       status=True, categories=("all",)),
 )
 
 

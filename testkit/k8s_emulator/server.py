@@ -258,12 +258,15 @@ class KubeEmulator:
         ready: bool = True,
         replicas: int | None = None,
         ready_replicas: int | None = None,
+        progress: str = "NewReplicaSetAvailable",
     ) -> Obj:
         """Play the Deployment controller once: report the deployment as rolled out (or not ready).
 
         Sets replicas/updatedReplicas (spec.replicas unless `replicas` is given), readyReplicas and
         availableReplicas (all when `ready`, else 0, unless `ready_replicas`), observedGeneration and
-        the Available/Progressing conditions.
+        the Available/Progressing conditions. `progress` is the Progressing condition's reason:
+        NewReplicaSetAvailable (rolled out), ReplicaSetUpdated (pods still starting) or
+        ProgressDeadlineExceeded (status False, as the controller reports a stuck rollout).
         """
         deployment = self.get("apps/v1", "deployments", name, namespace)
         if deployment is None:
@@ -277,7 +280,8 @@ class KubeEmulator:
                 "status": available,
                 "reason": "MinimumReplicasAvailable" if available == "True" else "MinimumReplicasUnavailable",
             },
-            {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"},
+            {"type": "Progressing", "status": "False" if progress == "ProgressDeadlineExceeded" else "True",
+             "reason": progress},
         ]
         status = {
             "observedGeneration": deployment["metadata"]["generation"],

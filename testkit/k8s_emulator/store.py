@@ -239,6 +239,8 @@ class Store:
                 new["status"] = copy.deepcopy(old["status"])
             else:
                 new.pop("status", None)
+        if "managedFields" not in meta and "managedFields" in old["metadata"]:
+            meta["managedFields"] = copy.deepcopy(old["metadata"]["managedFields"])  # kept when omitted
         for field in _SERVER_META:
             if field in old["metadata"]:
                 meta[field] = old["metadata"][field]

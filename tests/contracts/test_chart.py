@@ -208,18 +208,51 @@ def test_dashboard_covers_every_metric(helm: str) -> None:
     assert not missing, f"dashboard has no panel for {missing}"
 
 
-def test_service_monitor_selects_operator_services(helm: str) -> None:
+def test_service_monitor_selects_operator_metrics_services(helm: str) -> None:
     sys.path.insert(0, str(REPO / "operator"))
     from confkv_api.deployment import DeploymentSpec
-    from confkv_operator.builders import build_service
+    from confkv_operator.network import build_metrics_service, build_service
     from confkv_operator.settings import OperatorSettings
 
     monitor = find_obj(render(helm, "-f", str(CI_VALUES)), "ServiceMonitor")
-    service = build_service("demo", DeploymentSpec(), OperatorSettings())
+    service = build_metrics_service("demo", DeploymentSpec(), OperatorSettings())
     selector = monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= service["metadata"]["labels"].items()
+    # The API Service is not scraped (no double scrape of the engine).
+    assert not selector.items() <= build_service("demo", DeploymentSpec())["metadata"]["labels"].items()
     ports = {p["name"] for p in service["spec"]["ports"]}
     assert {e["port"] for e in monitor["spec"]["endpoints"]} == ports
+
+
+def test_gpu_example_renders_with_the_charts_cuda_engine_image(helm: str) -> None:
+    """The chart's operator settings, applied to examples/gpu-32b.yaml, give its engine the CUDA image."""
+    sys.path.insert(0, str(REPO / "operator"))
+    from confkv_api.deployment import load_deployment_spec
+    from confkv_operator.pod import build_deployment
+    from confkv_operator.settings import load_settings
+
+    example = yaml.safe_load((REPO / "examples" / "gpu-32b.yaml").read_text())
+    spec = load_deployment_spec(example["spec"])
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for extra, image in (((), f"ghcr.io/confkv/confkv:{app_version}-cuda"),
+                         (("--set", "operator.engineCudaImage=registry.local/confkv:9-cuda"),
+                          "registry.local/confkv:9-cuda")):
+        settings = load_settings(_operator_env(render(helm, *extra)))
+        pod = build_deployment("qwen", spec, settings)["spec"]["template"]["spec"]
+        engine = next(c for c in pod["containers"] if c["name"] == "confkv-engine")
+        assert engine["image"] == image
+        assert pod["initContainers"][0]["image"] == image  # the download runs from the same image
+        agent = next(c for c in pod["initContainers"] if c["name"] == "confkv-agent")
+        assert agent["image"] == settings.engine_image  # the agent needs no CUDA
+
+
+def test_monitoring_labels_reach_the_operator(helm: str) -> None:
+    sys.path.insert(0, str(REPO / "operator"))
+    from confkv_operator.settings import load_settings
+
+    assert load_settings(_operator_env(render(helm))).monitoring_labels == {}
+    env = _operator_env(render(helm, "--set", "operator.monitoringLabels.release=kube-prometheus-stack"))
+    assert load_settings(env).monitoring_labels == {"release": "kube-prometheus-stack"}
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)

@@ -80,6 +80,16 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "api-key-bad-secret-name": ({"engine": {"apiKeySecretRef": {"name": "Demo_API", "key": "k"}}},
                                 "does not match"),
     "api-key-as-string": ({"engine": {"apiKeySecretRef": "demo-api"}}, "is not of type"),
+    "cache-claim-without-size": ({"cacheStorage": {"type": "pvc", "claimName": "c", "createClaim": {}}},
+                                 "createClaim needs type pvc and a size"),
+    "model-claim-without-name": ({"modelStorage": {"size": "10Gi", "createClaim": {}}},
+                                 "createClaim needs claimName and size"),
+    "autoscaling-max-below-min": ({"autoscaling": {"minReplicas": 4, "maxReplicas": 2}},
+                                  "maxReplicas must be >= minReplicas"),
+    "claim-read-only-many": ({"modelStorage": {"claimName": "m", "size": "1Gi",
+                                               "createClaim": {"accessMode": "ReadOnlyMany"}}},
+                             "ReadOnlyMany"),
+    "pod-bad-runtime-class": ({"pod": {"runtimeClassName": "Nvidia_GPU"}}, "does not match"),
     "api-key-inline": ({"engine": {"apiKey": "s3cret"}}, "apiKey"),
 }
 

@@ -1,8 +1,10 @@
 """Rendered chart manifests and the operator's builder output through kubernetes-validate --strict (1.35).
 
-kubernetes-validate ships the upstream OpenAPI schemas of built-in kinds only (v1.25 .. v1.37 in 1.37.0);
-custom kinds it cannot know are skipped one by one with the reason and covered elsewhere (PrometheusRule
-by promtool, ConfKVDeployment by the CRD schema tests).
+kubernetes-validate ships the upstream OpenAPI schemas of built-in kinds only (v1.25 .. v1.37 in 1.37.0).
+The optional kinds the operator renders (ServiceMonitor, PrometheusRule, ScaledObject, InferencePool)
+are validated against their upstream CRDs, vendored under data/crds/ (see its README): strict structural
+validation, defaulting and CEL rules, as the API server would. Other custom kinds are skipped one by one
+with the reason and covered elsewhere (ConfKVDeployment by the CRD schema tests).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from contract_tools import (
     CI_VALUES,
     KUBERNETES_VERSION,
@@ -24,17 +27,20 @@ from contract_tools import (
 
 sys.path.insert(0, str(REPO / "operator"))
 
+from crd_schema import cel_failures, structural_errors, version_schema  # noqa: E402
+
 from confkv_api.deployment import DeploymentSpec, load_deployment_spec  # noqa: E402
-from confkv_operator.builders import build_children  # noqa: E402
+from confkv_operator.builders import OPTIONAL_KINDS, build_children  # noqa: E402
 from confkv_operator.settings import OperatorSettings  # noqa: E402
+from confkv_operator.storage import build_claims  # noqa: E402
 
 OTHER_CHECKS = {
-    "PrometheusRule": "no upstream schema; checked by promtool in test_prometheus_rules.py",
-    "ServiceMonitor": "Prometheus Operator kind, no upstream schema; selector/ports checked in test_chart.py",
     "ClusterKopfPeering": "Kopf's own kind with no upstream schema; its CRD is validated instead",
     "ConfKVDeployment": "custom kind; validated against the CRD schema in test_crd_schema.py",
 }
-MONITORING = frozenset({"ServiceMonitor", "PrometheusRule"})
+VENDORED_DIR = REPO / "tests" / "contracts" / "data" / "crds"
+VENDORED = {crd["spec"]["names"]["kind"]: crd
+            for crd in (yaml.safe_load(path.read_text()) for path in sorted(VENDORED_DIR.glob("*.yaml")))}
 SETTINGS = OperatorSettings(host_path_prefixes=("/mnt/nvme",))  # GPU_SPEC caches on a node NVMe
 
 GPU_SPEC = {
@@ -49,15 +55,41 @@ GPU_SPEC = {
 }
 
 
+EVERYTHING_ON = {
+    **GPU_SPEC,
+    "modelStorage": {"claimName": "models", "size": "200Gi", "createClaim": {"storageClassName": "fast"}},
+    "pod": {"runtimeClassName": "nvidia", "priorityClassName": "llm-serving", "imagePullSecrets": ["ghcr"],
+            "shmSize": "2Gi", "labels": {"team": "ml"}, "annotations": {"owner": "ml"},
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "nvidia.com/gpu.memory", "operator": "Gt", "values": ["79000"]}]}]}}},
+            "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+            "volumes": [{"name": "extra", "configMap": {"name": "extra"}}],
+            "volumeMounts": [{"name": "extra", "mountPath": "/etc/extra", "readOnly": True}],
+            "template": {"spec": {"topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                 "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}}],
+                "containers": [{"name": "confkv-engine", "env": [{"name": "EXTRA", "value": "1"}]}]}}},
+    "monitoring": {"labels": {"release": "kube-prometheus-stack"}},
+    "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 8},
+    "inferencePool": {"enabled": True},
+}
+
+
 def _builder_cases() -> list[tuple[str, dict[str, Any]]]:
-    specs = {"default": DeploymentSpec(), "gpu-hf": load_deployment_spec(GPU_SPEC)}
+    specs = {"default": DeploymentSpec(), "gpu-hf": load_deployment_spec(GPU_SPEC),
+             "everything": load_deployment_spec(EVERYTHING_ON)}
     for label, cr in example_crs():
         specs[f"example-{label}"] = load_deployment_spec(cr.get("spec", {}))
     cases = []
     for label, spec in specs.items():
-        for obj in build_children("demo", "serving", spec, SETTINGS, monitoring=MONITORING):
-            cases.append((f"builder-{label}-{obj['kind']}", obj))
-    return cases
+        # With and without KEDA served: the autoscaler is a ScaledObject or an HPA.
+        for served, tag in ((OPTIONAL_KINDS, ""), (OPTIONAL_KINDS - {"ScaledObject"}, "-nokeda")):
+            for obj in build_children("demo", "serving", spec, SETTINGS, served):
+                cases.append((f"builder-{label}{tag}-{obj['kind']}-{obj['metadata']['name']}", obj))
+        for claim, _owned in build_claims("demo", spec):
+            cases.append((f"builder-{label}-claim-{claim['metadata']['name']}", claim))
+    return sorted(dict(cases).items())
 
 
 def _chart_cases() -> list[tuple[str, dict[str, Any] | None]]:
@@ -81,9 +113,29 @@ def test_kubernetes_validate_strict(obj: dict[str, Any] | None) -> None:
     if obj is None:
         require_tool("helm")  # skips, or fails under CI
         return
+    if obj["kind"] in VENDORED:
+        crd = VENDORED[obj["kind"]]
+        schema = version_schema(crd, obj["apiVersion"].split("/")[-1])
+        assert structural_errors(schema, obj) == []
+        assert cel_failures(schema, obj) == []
+        return
     if obj["kind"] in OTHER_CHECKS:
         pytest.skip(f"{obj['kind']}: {OTHER_CHECKS[obj['kind']]}")
     kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_vendored_schemas_reject_a_wrong_object() -> None:
+    """The vendored-CRD check can fail: an unknown field and a missing required one are errors."""
+    schema = version_schema(VENDORED["InferencePool"], "v1")
+    pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "p"},
+            "spec": {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}],
+                     "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}}
+    assert structural_errors(schema, pool) == []
+    assert structural_errors(schema, {**pool, "spec": {**pool["spec"], "extensionRef": {"name": "x"}}})
+    assert structural_errors(schema, {**pool, "spec": {"selector": {"matchLabels": {"a": "b"}}}})
+    no_port = {**pool, "spec": {**pool["spec"], "endpointPickerRef": {"name": "epp"}}}
+    assert cel_failures(schema, no_port)
 
 
 def test_validator_rejects_unknown_and_mistyped_fields() -> None:

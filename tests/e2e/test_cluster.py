@@ -7,24 +7,32 @@ docker/*.Dockerfile); name them with:
   CONFKV_E2E_OPERATOR_IMAGE  operator image (default: the chart's image)
   CONFKV_E2E_ENGINE_IMAGE    engine + agent image (default: the operator's default)
   CONFKV_E2E_TIMEOUT         seconds to wait for the ConfKVDeployment to be Ready (default 900)
+  CONFKV_E2E_GPU             set to 1 on a cluster with an 80 GB GPU node, the NVIDIA GPU operator
+                             and a default storage class: also applies examples/gpu-32b.yaml and
+                             checks its claims, its CUDA image and that it reads Progressing with a
+                             stage (it does not wait for the 65 GB download)
 
   KUBECONFIG=~/.kube/config .venv/bin/python -m pytest tests/e2e -m e2e
 
-It installs the chart into a fresh namespace, applies examples/cpu-embedded.yaml, waits for the CR's
-Ready condition, calls /v1/completions through a port-forward, then deletes the CR, uninstalls the
-release and deletes the namespace. The CRD stays (helm.sh/resource-policy: keep).
+It runs the commands of docs/kubernetes.md: installs the chart into a fresh namespace, applies
+examples/cpu-embedded.yaml, waits for the CR's Ready condition, calls /v1/completions through a
+port-forward, checks the NetworkPolicy and the agent sidecar, removes a spec field and sees it leave
+the Deployment, then deletes the CR (while the operator runs), uninstalls the release and deletes the
+namespace. The CRD stays (helm.sh/resource-policy: keep).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -37,6 +45,7 @@ from contract_tools import CHART, EXAMPLES, require_tool  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 EXAMPLE = EXAMPLES / "cpu-embedded.yaml"
+GPU_EXAMPLE = EXAMPLES / "gpu-32b.yaml"
 
 
 def _kubectl(kubectl: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -77,8 +86,9 @@ def release(tools: tuple[str, str]) -> Iterator[str]:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         yield namespace
     finally:
-        _kubectl(kubectl, "-n", namespace, "delete", "-f", str(EXAMPLE), "--ignore-not-found", "--wait=true",
-                 timeout=300)
+        for example in (EXAMPLE, GPU_EXAMPLE):
+            _kubectl(kubectl, "-n", namespace, "delete", "-f", str(example), "--ignore-not-found",
+                     "--wait=true", timeout=300)
         subprocess.run([helm, "uninstall", "confkv-e2e", "--namespace", namespace, "--wait"],
                        capture_output=True, text=True, timeout=300)
         _kubectl(kubectl, "delete", "namespace", namespace, "--wait=false", timeout=120)
@@ -149,3 +159,70 @@ def test_cpu_example_serves_completions(tools: tuple[str, str], release: str) ->
     finally:
         forward.terminate()
         forward.wait(timeout=10)
+
+
+def _json(kubectl: str, *args: str) -> dict[str, Any]:
+    got = _kubectl(kubectl, *args, "-o", "json")
+    assert got.returncode == 0, got.stderr
+    return json.loads(got.stdout)
+
+
+def _patch(kubectl: str, namespace: str, name: str, patch: str) -> None:
+    done = _kubectl(kubectl, "-n", namespace, "patch", "ckv", name, "--type", "merge", "-p", patch)
+    assert done.returncode == 0, done.stderr
+
+
+def test_cpu_example_has_its_policy_sidecar_and_drops_removed_fields(tools: tuple[str, str],
+                                                                     release: str) -> None:
+    kubectl, _ = tools
+    name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+    applied = _kubectl(kubectl, "-n", release, "apply", "-f", str(EXAMPLE))
+    assert applied.returncode == 0, applied.stderr
+    policy = _json(kubectl, "-n", release, "get", "networkpolicy", name)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    pod = _json(kubectl, "-n", release, "get", "deployment", name)["spec"]["template"]["spec"]
+    version = _json(kubectl, "version")["serverVersion"]
+    if int("".join(c for c in version["minor"] if c.isdigit())) >= 29:
+        assert any(c["name"] == "confkv-agent" and c.get("restartPolicy") == "Always"
+                   for c in pod.get("initContainers", []))
+    _patch(kubectl, release, name, '{"spec":{"resources":{"nodeSelector":{"kubernetes.io/os":"linux"}}}}')
+    _wait_field(kubectl, release, name, lambda p: p.get("nodeSelector") == {"kubernetes.io/os": "linux"})
+    _patch(kubectl, release, name, '{"spec":{"resources":{"nodeSelector":null}}}')
+    _wait_field(kubectl, release, name, lambda p: not p.get("nodeSelector"))
+
+
+def _wait_field(kubectl: str, namespace: str, name: str, check: Callable[[dict[str, Any]], bool],
+                seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    pod: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        pod = _json(kubectl, "-n", namespace, "get", "deployment", name)["spec"]["template"]["spec"]
+        if check(pod):
+            return
+        time.sleep(1)  # polling interval towards a deadline, not a fixed wait
+    raise AssertionError(f"deployment {name} did not change in time: {pod}")
+
+
+def test_gpu_example_creates_claims_and_reads_progressing(tools: tuple[str, str], release: str) -> None:
+    if not os.environ.get("CONFKV_E2E_GPU"):
+        pytest.skip("set CONFKV_E2E_GPU=1 on a cluster with an 80 GB GPU node (see the module docstring)")
+    kubectl, _ = tools
+    cr = yaml.safe_load(GPU_EXAMPLE.read_text())
+    name = cr["metadata"]["name"]
+    secret = _kubectl(kubectl, "-n", release, "create", "secret", "generic", "hf-token",
+                      f"--from-literal=token={os.environ.get('HF_TOKEN', '')}")
+    assert secret.returncode == 0, secret.stderr
+    applied = _kubectl(kubectl, "-n", release, "apply", "-f", str(GPU_EXAMPLE))
+    assert applied.returncode == 0, applied.stderr
+    for claim in (cr["spec"]["modelStorage"]["claimName"], cr["spec"]["cacheStorage"]["claimName"]):
+        waited = _kubectl(kubectl, "-n", release, "wait", f"pvc/{claim}", "--for=jsonpath={.metadata.name}",
+                          "--timeout=120s", timeout=150)
+        assert waited.returncode == 0, waited.stderr
+    waited = _kubectl(kubectl, "-n", release, "wait", f"ckv/{name}", "--for=condition=Progressing",
+                      "--timeout=600s", timeout=630)
+    status = _json(kubectl, "-n", release, "get", "ckv", name)["status"]
+    progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    assert waited.returncode == 0 and progressing["reason"] in (
+        "PullingImages", "DownloadingModel", "LoadingModel", "ReplicaSetUpdated", "RollingUpdate"), status
+    pod = _json(kubectl, "-n", release, "get", "deployment", name)["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"].endswith("-cuda")

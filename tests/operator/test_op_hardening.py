@@ -98,6 +98,6 @@ def test_pods_get_no_token_except_in_the_agent(emulator: KubeEmulator) -> None:
                                 message="Deployment")
     pod = dep["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
-    mounted = {c["name"] for c in pod["containers"]
+    mounted = {c["name"] for c in [*pod["containers"], *pod.get("initContainers", [])]
                if any(m["name"] == n.API_TOKEN_VOLUME for m in c["volumeMounts"])}
     assert mounted == {n.AGENT_CONTAINER}

@@ -36,7 +36,7 @@ def test_apply_get_wait_scale_delete(emulator: KubeEmulator) -> None:
     kubectl(emulator, "wait", "--for=jsonpath={.status.phase}=Progressing", "ckv/smollm2-cpu",
             "--timeout=30s")
     deployment = KubeEmulator.wait_for(lambda: _deployment(emulator), timeout=20, message="deployment")
-    assert deployment["spec"]["template"]["spec"]["containers"][1]["name"] == "confkv-agent"
+    assert deployment["spec"]["template"]["spec"]["initContainers"][0]["name"] == "confkv-agent"
     emulator.patch_deployment_status("smollm2-cpu", "default", ready=True)
     kubectl(emulator, "wait", "--for=jsonpath={.status.phase}=Running", "ckv/smollm2-cpu", "--timeout=30s")
     assert kubectl(emulator, "get", "ckv", "smollm2-cpu", "-o", "jsonpath={.status.readyReplicas}") == "1"

@@ -71,7 +71,8 @@ def test_create_makes_owned_children_with_gpu_sidecar_and_security(
     pod = dep["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in pod["containers"]}
     assert containers[n.ENGINE_CONTAINER]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert n.AGENT_CONTAINER in containers
+    (agent,) = pod["initContainers"]  # a native sidecar: the emulator reports Kubernetes 1.35
+    assert agent["name"] == n.AGENT_CONTAINER and agent["restartPolicy"] == "Always"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert containers[n.ENGINE_CONTAINER]["securityContext"]["readOnlyRootFilesystem"] is True
     assert config_doc(core, "gpu")["confkv"]["eviction"]["k"] == 3
@@ -139,8 +140,8 @@ def test_deleted_and_edited_children_are_restored(emulator: KubeEmulator, custom
 def test_server_defaults_are_not_drift(emulator: KubeEmulator, custom: Any) -> None:
     create(custom, "quiet", {})
     wait_children(emulator, "quiet")
-    emulator.patch("apps/v1", "deployments", "quiet", {"spec": {"revisionHistoryLimit": 10,
-                                                                "progressDeadlineSeconds": 600}}, NS)
+    emulator.patch("apps/v1", "deployments", "quiet", {"spec": {"revisionHistoryLimit": 10, "template": {
+        "spec": {"dnsPolicy": "ClusterFirst", "schedulerName": "default-scheduler"}}}}, NS)
     version = emulator.get("apps/v1", "deployments", "quiet", NS)["metadata"]["resourceVersion"]
 
     def reads() -> int:

@@ -35,13 +35,24 @@ CHILDREN = [("v1", "configmaps", "audit-config"), ("v1", "serviceaccounts", "aud
             ("apps/v1", "deployments", "audit"),
             ("v1", "services", "audit"), ("policy/v1", "poddisruptionbudgets", "audit"),
             ("monitoring.coreos.com/v1", "servicemonitors", "audit"),
-            ("monitoring.coreos.com/v1", "prometheusrules", "audit")]
+            ("monitoring.coreos.com/v1", "prometheusrules", "audit"),
+            ("networking.k8s.io/v1", "networkpolicies", "audit"),
+            ("autoscaling/v2", "horizontalpodautoscalers", "audit"),
+            ("inference.networking.k8s.io/v1", "inferencepools", "audit")]
+SWITCHABLE = {"servicemonitors", "prometheusrules", "networkpolicies", "horizontalpodautoscalers",
+              "inferencepools"}
+AUDIT = {"resources": {"gpusPerPod": 1}, "autoscaling": {"enabled": True, "backend": "hpa"},
+         "inferencePool": {"enabled": True},
+         "modelStorage": {"claimName": "audit-weights", "size": "100Gi", "createClaim": {}}}
 
 
 def _scenario(api: KubeEmulator) -> None:
     wait = KubeEmulator.wait_for
-    api.create(cr("audit", {"resources": {"gpusPerPod": 1}}))
+    api.create(cr("audit", AUDIT))
+    api.create(cr("scaled", {"autoscaling": {"enabled": True}}))  # KEDA's CRD is served: a ScaledObject
     wait(lambda: api.get("monitoring.coreos.com/v1", "prometheusrules", "audit", NS), 20, message="rule")
+    wait(lambda: api.get("keda.sh/v1alpha1", "scaledobjects", "scaled", NS), 20, message="ScaledObject")
+    wait(lambda: api.get("v1", "persistentvolumeclaims", "audit-weights", NS), 20, message="claim")
     api.patch_deployment_status("audit", NS, ready=True)
     wait(lambda: (api.get(API_VERSION, "ckv", "audit", NS).get("status") or {}).get("phase") == "Running",
          20, message="Running")
@@ -56,10 +67,19 @@ def _scenario(api: KubeEmulator) -> None:
     for version, plural, name in CHILDREN:
         wait(lambda v=version, p=plural, n=name: api.get(v, p, n, NS)["metadata"]["labels"][label]
              == "confkv-operator", 20, message=f"{plural} restored")
+    off = {"monitoring": {"enabled": False}, "networkPolicy": {"enabled": False},
+           "autoscaling": {"enabled": False}, "inferencePool": {"enabled": False}}
+    api.patch(API_VERSION, "ckv", "audit", {"spec": off}, NS)
+    api.patch(API_VERSION, "ckv", "scaled", {"spec": {"autoscaling": {"enabled": False}}}, NS)
+    switchable = [*(c for c in CHILDREN if c[1] in SWITCHABLE),
+                  ("keda.sh/v1alpha1", "scaledobjects", "scaled")]
+    for version, plural, name in switchable:
+        wait(lambda v=version, p=plural, n=name: api.get(v, p, n, NS) is None, 20,
+             message=f"{plural} deleted")
     api.create(cr("broken", {"confkv": {"eviction": {"k": 0}}}))
     wait(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list("v1", "events", NS)), 20,
          message="an Event about the invalid spec")
-    for name in ("audit", "broken"):
+    for name in ("audit", "broken", "scaled"):
         api.delete(API_VERSION, "ckv", name, NS)
         wait(lambda name=name: api.get(API_VERSION, "ckv", name, NS) is None, 20, message=f"{name} deleted")
 
@@ -79,7 +99,7 @@ def test_request_log_matches_the_rbac_rules_exactly(mode: str) -> None:
     with KubeEmulator() as api:
         api.activate()
         try:
-            install_crds(api, monitoring=True)
+            install_crds(api, monitoring=True, keda=True, inference=True)
             with OperatorThread(api, resync_seconds=0.5, **env):
                 _scenario(api)
             used = set(api.rbac_usage())

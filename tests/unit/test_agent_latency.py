@@ -158,3 +158,28 @@ def test_an_unknown_signal_is_a_clear_error() -> None:
 
     with pytest.raises(ConfigError, match="alerts.latencyMs.signal"):
         load_config({"alerts": {"latencyMs": {"threshold": 500, "signal": "p99"}}})
+
+
+def _scale_out(agent: Agent) -> float:
+    return agent.metrics.registry.get_sample_value(names.AGENT_SCALE_OUT_RECOMMENDED, {"alert": "latencyMs"})
+
+
+def test_a_scale_out_recommendation_is_a_gauge_the_autoscaler_reads_until_the_alert_resolves() -> None:
+    engine = StandInEngine()
+    agent = _agent(engine, {"latencyMs": {"threshold": 200, "for": "0s"}})
+    agent.tick(0)
+    assert _scale_out(agent) == 0.0
+    engine.waiting = 5
+    for _ in range(10):
+        engine.ttft.observe(2.0)
+    agent.tick(10)
+    assert _scale_out(agent) == 1.0
+    engine.waiting = 0
+    now = 10.0
+    while agent.evaluator.states()["latencyMs"] == "firing" and now < 3600:
+        for _ in range(50):
+            engine.ttft.observe(0.01)
+        now += 30
+        agent.tick(now)
+    assert agent.evaluator.states()["latencyMs"] != "firing"
+    assert _scale_out(agent) == 0.0

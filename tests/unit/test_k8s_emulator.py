@@ -183,7 +183,7 @@ def test_strategic_merge_and_apply(k8s: client.ApiClient) -> None:
     again = core.patch_namespaced_config_map(
         "applied", "default", apply, field_manager="test", _content_type="application/apply-patch+yaml"
     )
-    assert again.data == {"a": "1", "b": "2"}  # approximation: merge, no field ownership
+    assert again.data == {"b": "2"}  # the manager's field "a", no longer applied, is removed
 
 
 def test_selectors_and_cluster_wide_lists(api: KubeEmulator, k8s: client.ApiClient) -> None:

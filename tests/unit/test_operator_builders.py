@@ -23,7 +23,10 @@ def _deployment(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _containers(dep: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+    """The long-running containers: regular ones and native sidecars (init, restartPolicy Always)."""
+    pod = dep["spec"]["template"]["spec"]
+    sidecars = [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+    return {c["name"]: c for c in [*pod["containers"], *sidecars]}
 
 
 def test_children_kinds_and_names() -> None:
@@ -31,7 +34,7 @@ def test_children_kinds_and_names() -> None:
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
         ("ConfigMap", "demo-config"), ("ServiceAccount", "demo-agent"), ("Role", "demo-agent"),
         ("RoleBinding", "demo-agent"), ("Deployment", "demo"), ("Service", "demo"),
-        ("PodDisruptionBudget", "demo"),
+        ("Service", "demo-metrics"), ("PodDisruptionBudget", "demo"), ("NetworkPolicy", "demo"),
     ]
     for child in children:
         assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "confkv-operator"
@@ -48,8 +51,8 @@ def test_monitoring_children_only_when_their_crds_exist() -> None:
 
 
 def test_gpu_limits_only_with_gpus() -> None:
-    gpu = _containers(_deployment({"resources": {"gpusPerPod": 2, "limits": {"memory": "96Gi"}}}))
-    assert gpu[n.ENGINE_CONTAINER]["resources"]["limits"] == {"memory": "96Gi", "nvidia.com/gpu": "2"}
+    gpu = _containers(_deployment({"resources": {"gpusPerPod": 1, "limits": {"memory": "96Gi"}}}))
+    assert gpu[n.ENGINE_CONTAINER]["resources"]["limits"] == {"memory": "96Gi", "nvidia.com/gpu": "1"}
     cpu = _containers(_deployment({}))
     assert "nvidia.com/gpu" not in json.dumps(cpu[n.ENGINE_CONTAINER].get("resources", {}))
     assert "nvidia.com/gpu" not in json.dumps(cpu[n.AGENT_CONTAINER])
@@ -98,7 +101,8 @@ def test_hf_source_gets_a_fetch_init_container() -> None:
     dep = _deployment({"model": {"source": "/models/qwen", "hfId": "Qwen/Qwen2.5-32B-Instruct",
                                  "tokenSecretRef": "hf"}, "modelStorage": {"claimName": "weights"}})
     pod = dep["spec"]["template"]["spec"]
-    (init,) = pod["initContainers"]
+    init = pod["initContainers"][0]  # the download first, then the agent sidecar
+    assert [c["name"] for c in pod["initContainers"]] == [n.FETCH_CONTAINER, n.AGENT_CONTAINER]
     assert init["command"][:3] == ["hf", "download", "Qwen/Qwen2.5-32B-Instruct"]
     assert init["command"][-1] == "/models/qwen"
     token = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
@@ -107,7 +111,8 @@ def test_hf_source_gets_a_fetch_init_container() -> None:
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights"}
     engine_mounts = {m["name"]: m for m in _containers(dep)[n.ENGINE_CONTAINER]["volumeMounts"]}
     assert engine_mounts["model"]["readOnly"] is True
-    assert "initContainers" not in _deployment({})["spec"]["template"]["spec"]
+    plain = _deployment({})["spec"]["template"]["spec"]["initContainers"]
+    assert [c["name"] for c in plain] == [n.AGENT_CONTAINER]
 
 
 def test_policy_changes_leave_the_pod_template_alone() -> None:

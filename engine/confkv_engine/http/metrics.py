@@ -3,6 +3,21 @@
 Per-request metrics (latency, TTFT, token counts, finish reasons) are observed when a request
 finishes. Cache, scheduler and device figures are read at scrape time from the engine's last
 stats snapshot, so scraping never touches the engine thread.
+
+The Gateway API Inference Extension's model-server protocol: its endpoint picker (EPP, the reference
+one and llm-d's) scrapes three gauges from each pod, under vLLM's names by default, so they are also
+exposed under those names (``PROTOCOL_GAUGES``), with vLLM's semantics:
+
+- ``vllm:num_requests_waiting``: requests queued for a batch slot (admitted, not running; preempted
+  ones are back in the queue), the EPP's TotalQueuedRequests;
+- ``vllm:num_requests_running``: requests in the running batch, TotalRunningRequests;
+- ``vllm:kv_cache_usage_perc``: the fraction (0..1, despite the name) of KV blocks in use; cached
+  prefix blocks nobody references count as free, as in vLLM, since an allocation takes them at once.
+  ``vllm:gpu_cache_usage_perc`` is the same value under the name EPP releases before vLLM's rename read;
+- ``vllm:cache_config_info`` (value 1) with labels ``block_size`` and ``num_gpu_blocks``, which the
+  prefix-cache scorer reads to size its index.
+
+The ``confkv_`` names carry the same values for the project's own rules and dashboard.
 """
 
 from __future__ import annotations
@@ -30,6 +45,22 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
+#: The model-server protocol's gauges under the names the EPP reads by default (see the docstring).
+PROTOCOL_WAITING = "vllm:num_requests_waiting"
+PROTOCOL_RUNNING = "vllm:num_requests_running"
+PROTOCOL_KV_USAGE = "vllm:kv_cache_usage_perc"
+PROTOCOL_KV_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"
+PROTOCOL_CACHE_INFO = "vllm:cache_config_info"
+PROTOCOL_GAUGES = (PROTOCOL_WAITING, PROTOCOL_RUNNING, PROTOCOL_KV_USAGE, PROTOCOL_KV_USAGE_LEGACY,
+                   PROTOCOL_CACHE_INFO)
+
+
+def kv_usage(s: EngineStats) -> float:
+    """Fraction of KV blocks in use; free and evictable cached blocks are not in use."""
+    total = s.num_total_blocks
+    return (total - s.num_free_blocks) / total if total else 0.0
+
+
 def _suffixless(name: str) -> str:
     """prometheus-client appends ``_total`` to counters itself."""
     return name.removesuffix("_total")
@@ -47,12 +78,23 @@ class _SnapshotCollector(Collector):
         yield from self._cache(s)
         yield from self._scheduler(s)
         yield from self._device_memory(s)
+        yield from self._protocol(s)
+
+    def _protocol(self, s: EngineStats) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(PROTOCOL_WAITING, "Requests waiting for a batch slot.", value=s.num_waiting)
+        yield GaugeMetricFamily(PROTOCOL_RUNNING, "Requests in the running batch.", value=s.num_running)
+        usage = kv_usage(s)
+        yield GaugeMetricFamily(PROTOCOL_KV_USAGE, "Fraction of KV-cache blocks in use, 0..1.", value=usage)
+        yield GaugeMetricFamily(PROTOCOL_KV_USAGE_LEGACY, "Fraction of KV-cache blocks in use (older name).",
+                                value=usage)
+        info = GaugeMetricFamily(PROTOCOL_CACHE_INFO, "KV cache configuration (value 1).",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(s.block_size), str(s.num_total_blocks)], 1.0)
+        yield info
 
     def _cache(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        total_blocks = s.num_total_blocks
-        free_blocks = s.num_free_blocks
-        ratio = (total_blocks - free_blocks) / total_blocks if total_blocks else 0.0
-        yield GaugeMetricFamily(names.KV_CACHE_USAGE_RATIO, "Used KV blocks / total KV blocks.", value=ratio)
+        yield GaugeMetricFamily(names.KV_CACHE_USAGE_RATIO, "Used KV blocks / total KV blocks.",
+                                value=kv_usage(s))
         total = s.kv_bytes_total
         used = s.kv_bytes_used
         key_only = s.kv_bytes_key_only

@@ -73,6 +73,24 @@ Engine + agent image the operator puts into ConfKVDeployment pods.
 {{- end }}
 
 {{/*
+The engine image of pods with a GPU (the CUDA build).
+*/}}
+{{- define "confkv-operator.engineCudaImage" -}}
+{{- default (printf "ghcr.io/confkv/confkv:%s-cuda" .Chart.AppVersion) .Values.operator.engineCudaImage }}
+{{- end }}
+
+{{/*
+operator.monitoringLabels as the operator's CONFKV_MONITORING_LABELS (k=v,k=v, sorted by key).
+*/}}
+{{- define "confkv-operator.monitoringLabels" -}}
+{{- $pairs := list }}
+{{- range $key, $value := .Values.operator.monitoringLabels }}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/*
 True (non-empty) when Kopf peering is needed, i.e. more than one operator replica.
 */}}
 {{- define "confkv-operator.peeringEnabled" -}}
@@ -106,8 +124,12 @@ start-up). CONFKV_PEERING_PRIORITY is set by the container command when peering 
   value: {{ .Values.operator.hostPathPrefixes | join "," | quote }}
 - name: CONFKV_ENGINE_IMAGE
   value: {{ include "confkv-operator.engineImage" . | quote }}
+- name: CONFKV_ENGINE_CUDA_IMAGE
+  value: {{ include "confkv-operator.engineCudaImage" . | quote }}
 - name: CONFKV_AGENT_IMAGE
   value: {{ .Values.operator.agentImage | quote }}
+- name: CONFKV_MONITORING_LABELS
+  value: {{ include "confkv-operator.monitoringLabels" . | quote }}
 - name: CONFKV_AGENT_PORT
   value: {{ .Values.operator.agentPort | quote }}
 - name: CONFKV_LOG_LEVEL
