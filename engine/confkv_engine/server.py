@@ -151,7 +151,7 @@ class ServerState:
             log.exception("gRPC control plane could not attach to the engine")
 
     def warm(self, prompts: list[str], top_k: int) -> tuple[int, int]:
-        """Prefill ``prompts`` (none: the top-k hot prefixes the disk tier remembers) into the prefix
+        """Prefill ``prompts`` (none: the top-k hot prefixes the disk store remembers) into the prefix
         cache through the running engine and wait for them; returns (prompts run, blocks cached).
         Called from the control plane's threads and from the loader (start-up warm-up)."""
         core, engine, tokenizer = self._core, self._async, self._tokenizer

@@ -1,7 +1,7 @@
 """The HTTP edge of a real ``confkv serve`` on the embedded model, over real sockets: framing and
 header rules tested with raw bytes (smuggling, oversized and slow heads), routes and auth
 (no redirects, the OpenAPI document behind the key), strict JSON types and finite numbers, the chat
-default of ``engine.maxTokensDefault``, and a misnamed disk-tier file through the control socket's
+default of ``engine.maxTokensDefault``, and a misnamed disk-store file through the control socket's
 RebuildIndex. Every refusal is an OpenAI error body, and the process stays up and keeps serving.
 
 The server runs with a 1 s header-read deadline (``--header-timeout``) so that the slow-header
@@ -305,7 +305,7 @@ def test_a_chat_without_max_tokens_gets_the_configured_default(server: EngineSer
     assert explicit.json()["usage"]["completion_tokens"] == MAX_TOKENS_DEFAULT + 2  # explicit values win
 
 
-# ---- the disk tier's directory through the control socket ----------------------------------------------
+# ---- the disk store's directory through the control socket ----------------------------------------------
 
 def test_rebuild_index_deletes_and_counts_a_misnamed_record_file(server: EngineServer, workdir: Path) -> None:
     folder = workdir / "kv" / "blocks" / "00"

@@ -1,4 +1,4 @@
-"""A misnamed file in the disk tier's blocks directory is handled as the disk store documents: a
+"""A misnamed file in the disk store's blocks directory is handled as the disk store documents: a
 ``.blk`` file whose name is not a record's (``garbage.blk``, a key in the wrong fan-out folder) is
 deleted and counted as skipped by a rebuild, on open and on demand; files without the record suffix
 are not the store's and are left alone; good records survive."""

@@ -13,8 +13,8 @@ What the engine can do today, and therefore what the RPCs do:
   (``EngineControlTarget.live_fields``: ``engine.maxBatchSize`` and the retention defaults) take
   effect between two scheduler steps; other fields are validated, versioned and stored, and
   reported as deferred (the engine reads them at start only).
-- RebuildIndex: rebuilds the disk tier's index from its record files (FAILED_PRECONDITION without
-  ``engine.cacheDir``). Warmup: prefills the given prompts, or the disk tier's most-hit prefixes,
+- RebuildIndex: rebuilds the disk store's index from its record files (FAILED_PRECONDITION without
+  ``engine.cacheDir``). Warmup: prefills the given prompts, or the disk store's most-hit prefixes,
   into the prefix cache and answers once they are cached. Compress: the cache's quantized
   compression; FAILED_PRECONDITION when the engine cannot do what is asked. Nothing pretends.
 

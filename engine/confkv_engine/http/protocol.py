@@ -88,10 +88,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _null_is_default(schema: dict[str, Any]) -> None:
+    """The published schema says what ``_Request._null_means_default`` does: every optional field
+    also takes ``null`` (its default), so a schema-driven client or fuzzer sees the real contract."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required:
+            continue
+        if "anyOf" not in prop:
+            shape = {k: v for k, v in prop.items() if k not in ("title", "default", "description")}
+            for k in shape:
+                del prop[k]
+            prop["anyOf"] = [shape]
+        if {"type": "null"} not in prop["anyOf"]:
+            prop["anyOf"].append({"type": "null"})
+
+
 class _Request(BaseModel):
     """Fields common to both endpoints (OpenAI's plus this engine's sampling extras)."""
 
-    model_config = STRICT
+    model_config = ConfigDict(**STRICT, json_schema_extra=_null_is_default)
     # Fields whose validation of a list of JSON integers (or of a list of such lists) depends only
     # on the items being integers, not on their number or values: a large body's lists there are
     # type-checked a slice at a time off the event loop (``http.body``), not by pydantic in one call.
