@@ -24,10 +24,14 @@ _LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
+_GEMMA_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     name = hf_name.removeprefix("model.")
     fixed = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if name in fixed:
@@ -36,7 +40,8 @@ def gguf_name(hf_name: str) -> str:
         return "output.weight"
     _, layer, rest = name.split(".", 2)
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER_NAMES[module]}.{suffix}"
+    names = _GEMMA_NAMES if arch == "gemma3" else _LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{suffix}"
 
 
 def llama3_rope_factors(config) -> np.ndarray:
@@ -76,9 +81,12 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
-def write_gguf(path: Path, hf_model, arch: str, qtype: Q = Q.F32) -> Path:
+def write_gguf(path: Path, hf_model, arch: str, qtype: Q = Q.F32,
+               overrides: dict[str, tuple[np.ndarray, Q]] | None = None) -> Path:
     """``hf_model`` (transformers, tiny) -> GGUF at ``path``: 2D weights in ``qtype``, norms and
-    biases F32, Q/K rows permuted for llama (as llama.cpp does), llama3 scaling as ``rope_freqs``."""
+    biases F32, Q/K rows permuted for llama (as llama.cpp does), llama3 scaling as ``rope_freqs``.
+    ``overrides``: HF tensor name -> (raw encoded rows, type) written instead (K-quant blocks)."""
+    overrides = overrides or {}
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -87,22 +95,33 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: Q = Q.F32) -> Path:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "gemma3":
+        _add_gemma3_fields(writer, cfg)
+    else:
+        writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    if getattr(cfg, "head_dim", None):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     _add_tokenizer(writer)
     tied = getattr(cfg, "tie_word_embeddings", False)
     for name, tensor in hf_model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
         array = tensor.float().numpy().copy()
+        if arch == "gemma3" and name.endswith("norm.weight"):  # convert_hf_to_gguf stores 1 + w
+            array = array + 1
         if arch == "llama" and ".q_proj." in name:
             array = permute_rows(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = permute_rows(array, cfg.num_key_value_heads)
-        if array.ndim == 2 and qtype != Q.F32:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        if name in overrides:
+            raw, raw_type = overrides[name]
+            writer.add_tensor(gguf_name(name, arch), raw.reshape(array.shape[0], -1), raw_dtype=raw_type)
+        elif array.ndim == 2 and qtype != Q.F32:
+            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(gguf_name(name), array)
+            writer.add_tensor(gguf_name(name, arch), array)
     if arch == "llama" and (getattr(cfg, "rope_scaling", None) or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     writer.write_header_to_file()
@@ -110,6 +129,19 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: Q = Q.F32) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_gemma3_fields(writer: gguf.GGUFWriter, cfg) -> None:
+    """What convert_hf_to_gguf writes for Gemma 3 (llama.cpp assumes the rest: every sixth layer
+    global, local RoPE base 10,000, scores scaled by key_length ** -0.5)."""
+    full = cfg.rope_parameters["full_attention"]
+    writer.add_rope_freq_base(float(full["rope_theta"]))
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(full["factor"]))
+    writer.add_sliding_window(cfg.sliding_window)
+    if cfg.final_logit_softcapping:
+        writer.add_float32("gemma3.final_logit_softcapping", cfg.final_logit_softcapping)
 
 
 def write_raw_tensor(path: Path, name: str, raw: np.ndarray, qtype: Q) -> Path:

@@ -1,5 +1,6 @@
-"""Randomly initialised tiny Llama / Qwen2 models saved as Hugging Face directories, plus reference
-logits from transformers, for parity tests (dense here; the paged-cache tests reuse these helpers).
+"""Randomly initialised tiny Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 models saved as Hugging Face
+directories, plus reference logits from transformers, for parity tests (dense here; the paged-cache
+tests reuse these helpers).
 
     hf_model, model_dir = make_tiny_hf_model("llama", tmp_path)
     tokens, ref = hf_greedy_reference(hf_model, prompt_ids, steps=20)   # ref: [len(tokens), V] fp32
@@ -26,7 +27,10 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# transformers class per architecture
+_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gemma3-llamacpp": "Gemma3ForCausalLM"}
 
 
 def tiny_config(arch: str):  # -> transformers.PretrainedConfig
@@ -55,7 +59,27 @@ def tiny_config(arch: str):  # -> transformers.PretrainedConfig
         return transformers.LlamaConfig(**common, rope_scaling=scaling, rope_theta=10000.0)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
+    if arch == "mistral":  # a window shorter than the parity sequences, so it masks
+        return transformers.MistralConfig(**common, sliding_window=16, rope_theta=1e6)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6)
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(**gemma3_fields(common))
+    if arch == "gemma3-llamacpp":  # what a GGUF can say: llama.cpp's fixed layer pattern and scales
+        fields = {**gemma3_fields(common), "num_hidden_layers": 6, "query_pre_attn_scalar": 32}
+        del fields["layer_types"]
+        return transformers.Gemma3TextConfig(**fields)
     raise ValueError(f"unknown arch {arch!r}")
+
+
+def gemma3_fields(common: dict) -> dict:
+    """Local, global, local layers; a window shorter than the sequences; a score scale other
+    than head_dim's; a linearly scaled global RoPE and a local one of its own; soft-capped logits."""
+    return {**common, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24, "final_logit_softcapping": 5.0,
+            "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
 
 
 def byte_level_tokenizer() -> HFTokenizer:
@@ -82,8 +106,11 @@ def make_tiny_hf_model(arch: str, tmp_path: Path, *, sharded: bool | None = None
 
     torch.manual_seed(seed)
     config = tiny_config(arch)
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
-    hf_model = cls(config).eval()
+    hf_model = getattr(transformers, _CLASSES[arch])(config).eval()
+    with torch.no_grad():  # norms initialise to one (Gemma's to zero): random ones test their loading
+        for name, param in hf_model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.2 * torch.randn_like(param))
     model_dir = Path(tmp_path) / arch
     sharded = arch == "llama" if sharded is None else sharded
     hf_model.save_pretrained(model_dir, safe_serialization=True, max_shard_size="100KB" if sharded else "1GB")

@@ -20,6 +20,11 @@ step's tokens are the sequences' new tokens flattened in the order given.
 - No upcast: the CPU flash-attention kernel accumulates bf16 / fp16 inputs in fp32 (as CUDA's
   kernels do), so q, K and V go in as they are stored. Masks are additive (0 / -inf) in the query's
   dtype; boolean 4D masks are avoided (they silently give wrong results in eager attention).
+- Sliding-window layers (``attend(..., window=W)``) see only the last W slots up to each query:
+  decode rows through a second mask that also hides the slots before the window, prefill chunks
+  through one masked call over the gathered context. Slots stand for positions while none has been
+  discarded; once retention frees slots, a window of W slots reaches further back than W positions.
+  The blocks before every window stay allocated (the pool is shared by all layers).
 - Not done, measured: attending runs of a table that are consecutive in the pool straight from
   the pool (a view, no copy), combined with the gathered rest by log-sum-exp. With the tables
   chunked prefill produces (runs of one chunk) the extra kernel calls and the combine cost more
@@ -69,6 +74,7 @@ class PrefillPlan:
     ctx: int  # slots visible to the last query of the chunk
     cached: int  # slots cached before this chunk
     mask: _Mask | None = None  # [1, 1, G*T, ctx], only without the split kernel
+    windowed: dict[int, tuple[GatherPlan, _Mask]] | None = None  # per window: context table, mask
 
 
 @dataclass
@@ -78,6 +84,8 @@ class DecodePlan:
     table: GatherPlan  # 2 * B * blocks entries
     width: int  # gathered slots per row
     mask: _Mask  # [B, 1, 1, width]
+    lengths: Tensor  # [B] visible slots per row
+    windowed: dict[int, _Mask] | None = None  # per sliding window, built on first use in a step
 
 
 class PagedAttention:
@@ -121,8 +129,10 @@ class PagedAttention:
         table += [b for s in seqs for b in s.v_blocks + [pad] * (width - len(s.v_blocks))]
         dev = self.cache.kv.device
         slots = torch.arange(width * bs, device=dev)
-        visible = slots[None, :] < torch.tensor([s.num_slots + 1 for s in seqs], device=dev)[:, None]
-        return DecodePlan(self.cache.gather_plan(table), width * bs, _Mask(visible[:, None, None, :]))
+        lengths = torch.tensor([s.num_slots + 1 for s in seqs], device=dev)
+        visible = slots[None, :] < lengths[:, None]
+        mask = _Mask(visible[:, None, None, :])
+        return DecodePlan(self.cache.gather_plan(table), width * bs, mask, lengths)
 
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
         bs = self.cache.spec.block_size
@@ -143,12 +153,15 @@ class PagedAttention:
         self._seqs, self._num_new = [], []
 
     # ---- per layer -----------------------------------------------------------------------------
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         self.cache.write(layer, self.writes, k, v)  # cast to the pool's dtype (kvCacheDtype)
         parts = []
         if self.decode is not None:
-            parts.append(self._attend_decode(layer, q[self.decode_rows]))
+            parts.append(self._attend_decode(layer, q[self.decode_rows], window))
         for p in self.prefills:
+            if window is not None:
+                parts.append(self._attend_prefill_window(layer, p, q[p.rows], window))
+                continue
             # A chunk's own keys and values as the pool holds them (kvCacheDtype), as any later read.
             own_k, own_v = (as_stored(x[p.rows], self.cache.spec.dtype) for x in (k, v))
             parts.append(self._attend_prefill(layer, p, q[p.rows], own_k, own_v))
@@ -161,15 +174,45 @@ class PagedAttention:
                                                       for p in self.prefills])
         return torch.empty_like(out).index_copy_(0, order.to(out.device), out)
 
-    def _attend_decode(self, layer: int, q: Tensor) -> Tensor:
+    def _attend_decode(self, layer: int, q: Tensor, window: int | None = None) -> Tensor:
         plan = cast(DecodePlan, self.decode)  # attend calls this only when there are decode rows
         b, hq, d = q.shape
         hkv = self.cache.spec.num_kv_heads
         both = self._gather(layer, plan.table).view(2, b, plan.width, hkv, d).transpose(2, 3)
         keys, vals = both[0], self._decode_values(layer, both[1])  # [B, Hkv, S, D]
+        mask = plan.mask if window is None else self._decode_window(plan, window)
         out = F.scaled_dot_product_attention(q.view(b, hkv, self.group, d), keys, vals,
-                                             attn_mask=plan.mask.additive(q.dtype))
+                                             attn_mask=mask.additive(q.dtype))
         return out.reshape(b, hq, d)
+
+    def _decode_window(self, plan: DecodePlan, window: int) -> _Mask:
+        plan.windowed = plan.windowed or {}
+        if window not in plan.windowed:
+            slots = torch.arange(plan.width, device=plan.lengths.device)[None, :]
+            lengths = plan.lengths[:, None]
+            visible = (slots < lengths) & (slots >= lengths - window)
+            plan.windowed[window] = _Mask(visible[:, None, None, :])
+        return plan.windowed[window]
+
+    def _attend_prefill_window(self, layer: int, p: PrefillPlan, q: Tensor, window: int) -> Tensor:
+        """One masked call over the whole context (the chunk's keys are in the pool already)."""
+        t, hq, d = q.shape
+        hkv, g, bs = self.cache.spec.num_kv_heads, self.group, self.cache.spec.block_size
+        p.windowed = p.windowed or {}
+        if window not in p.windowed:
+            seq, nb = self._seqs[p.index], -(-p.ctx // bs)
+            dev = self.cache.kv.device
+            query = p.cached + torch.arange(t, device=dev)[:, None]  # [T, 1] slot of each query
+            slots = torch.arange(p.ctx, device=dev)[None, :]
+            visible = (slots <= query) & (slots > query - window)
+            p.windowed[window] = (self.cache.gather_plan(seq.k_blocks[:nb] + seq.v_blocks[:nb]),
+                                  _Mask(visible.repeat(g, 1)[None, None]))
+        table, mask = p.windowed[window]
+        both = self._gather(layer, table).view(2, -1, hkv, d)[:, : p.ctx].transpose(1, 2)
+        keys, vals = both[0][None], self._prefill_values(layer, p, both[1][None])
+        qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.additive(q.dtype))
+        return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
 
     def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         t, hq, d = q.shape

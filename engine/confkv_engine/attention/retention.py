@@ -69,17 +69,24 @@ class RetentionAttention(PagedAttention):
         self._dec_states = [states[i] for i in self.decode_index]
         self._states = states
 
-    def _attend_decode(self, layer: int, q: Tensor) -> Tensor:
+    def _attend_decode(self, layer: int, q: Tensor, window: int | None = None) -> Tensor:
         for i, st in enumerate(self._dec_states):
             if st is not None and st.wants_probs:
                 st.on_queries(layer, q[i:i + 1])
-        return super()._attend_decode(layer, q)
+        return super()._attend_decode(layer, q, window)
 
     def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._record_prefill(layer, p, q)
+        return super()._attend_prefill(layer, p, q, k, v)
+
+    def _attend_prefill_window(self, layer: int, p: PrefillPlan, q: Tensor, window: int) -> Tensor:
+        self._record_prefill(layer, p, q)
+        return super()._attend_prefill_window(layer, p, q, window)
+
+    def _record_prefill(self, layer: int, p: PrefillPlan, q: Tensor) -> None:
         st = self._states[p.index]
         if st is not None and st.wants_probs:
             st.on_queries(layer, q)
-        return super()._attend_prefill(layer, p, q, k, v)
 
     def _decode_values(self, layer: int, vals: Tensor) -> Tensor:
         for i, st in enumerate(self._dec_states):

@@ -1,13 +1,18 @@
-"""Load a llama.cpp GGUF file (llama / qwen2 architectures) into ``LlamaForCausalLM``.
+"""Load a llama.cpp GGUF file (llama / qwen2 / qwen3 / gemma3 architectures) into ``LlamaForCausalLM``.
 
 Quantized tensors are dequantized with ``gguf.quants.dequantize`` (vectorised numpy, one tensor at a
 time) to fp32, then cast to the requested dtype. llama.cpp's converter permutes the rows of Q and K
 in llama-architecture files for its interleaved RoPE; the model here uses the half-split (NeoX/HF)
-layout, so those rows are permuted back. qwen2 files are written unpermuted.
+layout, so those rows are permuted back. qwen2, qwen3 and gemma3 files are written unpermuted.
+Gemma 3 files store its norms as the ``1 + w`` they multiply by (the model's convention too); what the file does not say is llama.cpp's: every
+sixth layer global, the others sliding-window with RoPE base 10,000 (``rope.freq_base_swa`` when
+present), scores scaled by ``key_length ** -0.5`` (hidden / heads for the 62-layer 27B).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +26,7 @@ from torch import Tensor
 from confkv_engine.model.gguf_reader import GGUFContents, GGUFTensor, read_gguf
 from confkv_engine.model.llama import ModelArgs, rope_inv_freq
 from confkv_engine.model.quant import (
+    DENSE_K_TYPES,
     INT4_TYPES,
     Int4Weight,
     Int8Weight,
@@ -30,13 +36,14 @@ from confkv_engine.model.quant import (
 )
 from confkv_engine.model.weights import ModelLoadError
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # Types gguf.quants can dequantize that we accept (the i-quants are far too slow in numpy).
 SUPPORTED_TYPES = frozenset(
     {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 )
 
 _CHUNK_ELEMENTS = 1 << 22
+_DENSE_SERVED = frozenset({"F32", "F16", "BF16", *DENSE_K_TYPES})
 QuantWeight = Int4Weight | Int8Weight
 
 _GLOBAL_NAMES = {
@@ -54,6 +61,16 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma's four norms per layer: ffn_norm is the one before the MLP, as in llama files, but the
+# norm after attention is a separate tensor.
+_GEMMA_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -66,17 +83,18 @@ class GGUFModel:
     contents: GGUFContents
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp tensor name -> ``LlamaForCausalLM`` parameter name (None for ``rope_freqs``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
         return None
+    names = _GEMMA_NAMES if arch == "gemma3" else _BLOCK_NAMES
     match = _BLOCK_RE.match(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    if match is None or match.group(2) not in names:
         raise ModelLoadError(f"unsupported tensor {gguf_name!r} in GGUF file")
     layer, kind, suffix = match.groups()
-    return f"layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+    return f"layers.{layer}.{names[kind]}.{suffix}"
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -109,8 +127,11 @@ def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
         kind, factor = "linear", metadata[f"{arch}.rope.scale_linear"]
     if kind == "none" or factor in (None, 0.0, 1.0):
         return None
+    if kind == "yarn":
+        original = _meta(metadata, f"{arch}.rope.scaling.original_context_length", required=True)
+        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
     if kind != "linear":
-        raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r} (supported: linear)")
+        raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r} (supported: linear, yarn)")
     return {"rope_type": "linear", "factor": float(factor)}
 
 
@@ -126,7 +147,7 @@ def args_from_gguf(metadata: dict[str, Any], tensors: dict[str, GGUFTensor]) -> 
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
     vocab = tensors["token_embd.weight"].shape[0]
-    return ModelArgs(
+    args = ModelArgs(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(_meta(metadata, f"{arch}.feed_forward_length", required=True)),
@@ -140,7 +161,31 @@ def args_from_gguf(metadata: dict[str, Any], tensors: dict[str, GGUFTensor]) -> 
         max_position_embeddings=int(_meta(metadata, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         extra={"architecture": arch, "gguf_file_type": metadata.get("general.file_type")},
+    )
+    return _gemma3_args(args, metadata) if arch == "gemma3" else args
+
+
+def _gemma3_args(args: ModelArgs, metadata: dict[str, Any]) -> ModelArgs:
+    window = int(_meta(metadata, "gemma3.attention.sliding_window", 0))
+    pattern = _meta(metadata, "gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # newer converters: one flag per layer
+        local = [bool(x) for x in pattern]
+    else:
+        local = [(i + 1) % 6 != 0 for i in range(args.num_layers)]
+    scale_dim = args.hidden_size // args.num_heads if args.num_layers == 62 else args.head_dim
+    softcap = _meta(metadata, "gemma3.final_logit_softcapping")
+    return dataclasses.replace(
+        args,
+        sandwich_norms=True,
+        hidden_act="gelu_pytorch_tanh",
+        embed_scale=math.sqrt(args.hidden_size),
+        attn_scale=scale_dim ** -0.5,
+        final_logit_softcap=float(softcap) if softcap else None,
+        layer_windows=tuple(window if w else 0 for w in local) if window else (),
+        local_rope_theta=float(_meta(metadata, "gemma3.rope.freq_base_swa", 10000.0)),
+        rms_norm_eps=float(_meta(metadata, "gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
     )
 
 
@@ -172,7 +217,7 @@ def iter_tensors(model: GGUFModel) -> Iterator[tuple[str, Tensor]]:
     args = model.args
     permuted = model.architecture == "llama"
     for name, tensor in model.contents.tensors.items():
-        target = hf_name(name)
+        target = hf_name(name, model.architecture)
         if target is None:
             continue
         array = dequantize(tensor)
@@ -207,7 +252,7 @@ def open_gguf(path: str | Path) -> GGUFModel:
 def _linear_sources(model: GGUFModel) -> Iterator[tuple[str, GGUFTensor]]:
     """(module path, GGUF tensor) for every linear layer's weight; a tied LM head reads token_embd."""
     for name, tensor in model.contents.tensors.items():
-        target = hf_name(name)
+        target = hf_name(name, model.architecture)
         if target is not None and (target.endswith("proj.weight") or target == "lm_head.weight"):
             yield target.removesuffix(".weight"), tensor  # type: ignore[union-attr]
     if model.args.tie_word_embeddings:
@@ -227,13 +272,14 @@ def has_quantized_linears(model: GGUFModel) -> bool:
 
 def quantized_linears(model: GGUFModel, prefer_int4: bool) -> dict[str, QuantWeight]:
     """Linear weights stored quantized in the file, converted without an fp32 model copy: Q4_0 /
-    Q4_1 -> exact int4 groups when ``prefer_int4``; every other quantized type (and the 4-bit ones
-    when not) -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are left out, and
-    so are the ``quant.INT8_DENSE_LINEARS`` when not ``prefer_int4`` (the ``int8`` mode)."""
+    Q4_1 / Q4_K -> exact int4 groups when ``prefer_int4``; Q5_K / Q6_K are left out (served dense:
+    requantizing them would round them a second time); every other quantized type (and the 4-bit
+    ones when not) -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are left out,
+    and so are the ``quant.INT8_DENSE_LINEARS`` when not ``prefer_int4`` (the ``int8`` mode)."""
     out: dict[str, QuantWeight] = {}
     permuted = model.architecture == "llama"
     for path, tensor in _linear_sources(model):
-        if tensor.type_name in ("F32", "F16", "BF16") or (not prefer_int4 and int8_keeps_dense(path)):
+        if tensor.type_name in _DENSE_SERVED or (not prefer_int4 and int8_keeps_dense(path)):
             continue
         order = _row_order(path, tensor.shape[0], model.args, permuted)
         weight: QuantWeight

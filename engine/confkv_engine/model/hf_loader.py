@@ -5,7 +5,6 @@ The tokenizer side (tokenizer.json, tokenizer_config.json, generation_config.jso
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -15,12 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from confkv_engine.model.arch import SUPPORTED_MODEL_TYPES, ConfigError, args_from_hf_config, norm_offset
 from confkv_engine.model.llama import ModelArgs
 from confkv_engine.model.weights import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+__all__ = ["SUPPORTED_MODEL_TYPES", "read_config", "weight_files", "iter_tensors"]
 
 
 def read_config(path: str | Path) -> ModelArgs:
@@ -32,24 +32,12 @@ def read_config(path: str | Path) -> ModelArgs:
         cfg: dict[str, Any] = json.loads(cfg_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"unsupported model_type {model_type!r} in {cfg_file} "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
     try:
-        args = ModelArgs.from_hf_config(cfg)
+        return args_from_hf_config(cfg)
     except KeyError as exc:
         raise ModelLoadError(f"{cfg_file} lacks required key {exc}") from None
-    except ValueError as exc:
+    except ConfigError as exc:
         raise ModelLoadError(f"{cfg_file}: {exc}") from None
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
-    if window and window < args.max_position_embeddings:
-        # Attention here is full, which equals sliding-window attention only up to the window.
-        log.warning("sliding window %d: limiting the context to it", window)
-        args = dataclasses.replace(args, max_position_embeddings=int(window))
-    return dataclasses.replace(args, extra={**args.extra, "architecture": model_type})
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -74,8 +62,15 @@ def _param_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
-def iter_tensors(path: str | Path) -> Iterator[tuple[str, Tensor]]:
-    """(model parameter name, tensor) for every tensor of every shard, one at a time."""
+def iter_tensors(path: str | Path, args: ModelArgs | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(model parameter name, tensor) for every tensor of every shard, one at a time; Gemma's norm
+    weights come out as the ``1 + w`` they multiply by (``args`` says which family)."""
+    offset = args is not None and norm_offset(args)
+    for name, tensor in _raw_tensors(path):
+        yield name, (tensor.float() + 1 if offset and name.endswith("norm.weight") else tensor)
+
+
+def _raw_tensors(path: str | Path) -> Iterator[tuple[str, Tensor]]:
     from safetensors import safe_open
 
     for file in weight_files(path):

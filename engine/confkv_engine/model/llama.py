@@ -1,4 +1,17 @@
-"""Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2).
+"""Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2/2.5/3, Gemma 3, SmolLM2).
+
+One module serves them all; ``ModelArgs`` switches on what differs (``model.arch`` reads each
+checkpoint's config into them):
+
+- Qwen3 and Gemma 3 normalise each query and key head (``qk_norm``) before RoPE;
+- Gemma 3 scales the embeddings by sqrt(hidden), wraps both sublayers in a pre- and a post-norm
+  (``sandwich_norms``), gates with GELU (tanh) instead of SiLU, scales the scores by
+  ``query_pre_attn_scalar ** -0.5`` (``attn_scale``), may soft-cap the final logits, and interleaves
+  sliding-window layers (``layer_windows``) that have their own RoPE base (``local_rope_theta``).
+  Its RMSNorm multiplies by ``1 + w``; the loaders store ``1 + w`` (GGUF files already do), so one
+  norm serves every family;
+- a sliding-window layer hands its window to the backend (``attend(..., window=W)``): the token at
+  position p sees the keys at positions p - W + 1 .. p, as transformers masks them.
 
 The model owns no KV cache: every attention layer hands its post-RoPE q/k/v for the step's new
 tokens to an ``AttentionBackend`` (the paged cache in serving, a dense reference in tests), which
@@ -19,6 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from confkv_engine.model.rope import llama3_inv_freq, rope_frequencies
+
+__all__ = ["ModelArgs", "AttentionBackend", "LlamaForCausalLM", "DenseAttention", "dense_causal_attention",
+           "rope_inv_freq", "llama3_inv_freq", "Elementwise"]
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -35,6 +53,14 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    embed_scale: float | None = None
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcap: float | None = None
+    layer_windows: tuple[int, ...] = ()  # per layer, 0 = global attention; () = all global
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (unscaled)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -61,6 +87,10 @@ class ModelArgs:
             attention_bias=(arch == "qwen2") if bias is None else bias,
         )
 
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window in tokens, None for a global layer."""
+        return (self.layer_windows[layer] or None) if self.layer_windows else None
+
     @property
     def kv_bytes_per_token(self) -> int:
         """fp32 bytes of K plus V for one token over all layers (scale by dtype size / 4)."""
@@ -72,39 +102,18 @@ class AttentionBackend(Protocol):
 
     ``attend(layer, q, k, v)``: q [T, Hq, D], k/v [T, Hkv, D] for the T new tokens of this step
     (post-RoPE, in the order the backend's step metadata describes); returns [T, Hq, D]. Each token
-    attends causally to its own sequence's cached tokens plus the new ones up to itself.
+    attends causally to its own sequence's cached tokens plus the new ones up to itself. Scores are
+    scaled by D ** -0.5. A sliding-window layer passes ``window=W`` (only then, so a backend for
+    models without such layers may omit the keyword): a token sees the last W positions up to itself.
     """
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
-
-
-def llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
-    """Llama-3 frequency-dependent RoPE scaling (rope_type 'llama3')."""
-    factor = scaling["factor"]
-    low = scaling.get("low_freq_factor", 1.0)
-    high = scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor: ...
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
-    scaling = args.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "llama3":
-        inv_freq = llama3_inv_freq(inv_freq, scaling)
-    elif kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope scaling type {kind!r}")
-    return inv_freq.float()
+    """The global layers' RoPE inverse frequencies (fp32)."""
+    return rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling,
+                            args.max_position_embeddings)[0]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -122,6 +131,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+_GATED_ACTS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
 
 
 @dataclass
@@ -151,11 +167,17 @@ class Attention(nn.Module):
         self.layer = layer
         self.ops = ops or Elementwise()
         self.nq, self.nkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
+        self.window = args.window(layer)
+        # The backends scale scores by head_dim ** -0.5; another scale is folded into the queries.
+        scale = args.attn_scale
+        self.q_scale = 1.0 if scale is None else scale * math.sqrt(self.d)
         bias = args.attention_bias
         self.q_proj = nn.Linear(args.hidden_size, self.nq * self.d, bias=bias)
         self.k_proj = nn.Linear(args.hidden_size, self.nkv * self.d, bias=bias)
         self.v_proj = nn.Linear(args.hidden_size, self.nkv * self.d, bias=bias)
         self.o_proj = nn.Linear(self.nq * self.d, args.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, args.rms_norm_eps, ops) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.d, args.rms_norm_eps, ops) if args.qk_norm else None
         self.qkv_proj: nn.Module | None = None  # set by ``fuse``: q, k, v rows in one matmul
 
     def fuse(self, qkv_proj: nn.Module) -> None:
@@ -163,25 +185,41 @@ class Attention(nn.Module):
         self.qkv_proj = qkv_proj
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
+    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Post-RoPE q [T, Hq, D], k/v [T, Hkv, D]."""
         t = x.shape[0]
         rope = self.ops.rope or apply_rope
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(t, self.nq + 2 * self.nkv, self.d)
-            qk = rope(qkv[:, : self.nq + self.nkv], cos, sin)  # q and k heads rotated together
-            q, k, v = qk[:, : self.nq], qk[:, self.nq :], qkv[:, self.nq + self.nkv :]
+            q, k, v = qkv[:, : self.nq], qkv[:, self.nq : self.nq + self.nkv], qkv[:, self.nq + self.nkv :]
         else:
-            q = rope(self.q_proj(x).view(t, self.nq, self.d), cos, sin)  # [T, Hq, D]
-            k = rope(self.k_proj(x).view(t, self.nkv, self.d), cos, sin)  # [T, Hkv, D]
+            q = self.q_proj(x).view(t, self.nq, self.d)
+            k = self.k_proj(x).view(t, self.nkv, self.d)
             v = self.v_proj(x).view(t, self.nkv, self.d)
-        out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.nq * self.d))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qkv_proj is not None:  # q and k heads are adjacent: rotated in one call
+            qk = rope(qkv[:, : self.nq + self.nkv], cos, sin)
+            return qk[:, : self.nq], qk[:, self.nq :], v
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        if self.window is None:
+            out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
+        else:
+            out = backend.attend(self.layer, q, k, v, window=self.window)
+        return self.o_proj(out.reshape(x.shape[0], self.nq * self.d))
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, ops: Elementwise | None = None) -> None:
         super().__init__()
         self.ops = ops or Elementwise()
+        # ``ops.act`` (possibly compiled) is SiLU's; other activations keep their own function.
+        self.act = None if args.hidden_act == "silu" else _GATED_ACTS[args.hidden_act]
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
@@ -192,7 +230,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
-        act = self.ops.act or silu_mul
+        act = self.act or self.ops.act or silu_mul
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(act(gate, up))
@@ -204,12 +242,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, layer, ops)
         self.mlp = MLP(args, ops)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        h, eps = args.hidden_size, args.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, ops)
+        # Llama: the norm before the MLP. Gemma: the norm after attention, with two around the MLP.
+        self.post_attention_layernorm = RMSNorm(h, eps, ops)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, ops) if args.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps, ops) if args.sandwich_norms else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, backend))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -226,20 +271,35 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        inv_freq, self.rope_attention_factor = rope_frequencies(
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        local = None if args.local_rope_theta is None else rope_frequencies(
+            args.head_dim, args.local_rope_theta, None, args.max_position_embeddings)[0]
+        self.register_buffer("local_inv_freq", local, persistent=False)
+
+    def _cos_sin(self, positions: Tensor, inv_freq: Tensor, factor: float) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        if factor == 1.0:
+            return freqs.cos(), freqs.sin()
+        return freqs.cos() * factor, freqs.sin() * factor
 
     def forward(self, input_ids: Tensor, positions: Tensor, backend: AttentionBackend) -> Tensor:
         """input_ids/positions [T] -> final hidden states [T, H] (normed)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
+        rope = self._cos_sin(positions, self.inv_freq, self.rope_attention_factor)
+        local = rope if self.local_inv_freq is None else self._cos_sin(positions, self.local_inv_freq, 1.0)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, backend)
+        if self.args.embed_scale is not None:  # in the activation dtype, as Gemma rounds it
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *(rope if self.args.window(i) is None else local), backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> fp32 logits [N, V]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.args.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class DenseAttention:
@@ -252,16 +312,17 @@ class DenseAttention:
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         prev_k = self.keys.get(layer)
         k_all = k if prev_k is None else torch.cat([prev_k, k])  # [S, Hkv, D]
         v_all = v if prev_k is None else torch.cat([self.values[layer], v])
         self.keys[layer], self.values[layer] = k_all, v_all
-        return dense_causal_attention(q, k_all, v_all)
+        return dense_causal_attention(q, k_all, v_all, window)
 
 
-def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """q [T, Hq, D] are the last T of S positions; k/v [S, Hkv, D]; returns [T, Hq, D] (fp32 math)."""
+def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+    """q [T, Hq, D] are the last T of S positions; k/v [S, Hkv, D]; returns [T, Hq, D] (fp32 math).
+    ``window``: each query sees only the last ``window`` positions up to itself."""
     t, nq, d = q.shape
     s, nkv = k.shape[0], k.shape[1]
     group = nq // nkv
@@ -270,6 +331,8 @@ def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     scores = torch.einsum("thd,shd->hts", q.float(), kf) / math.sqrt(d)  # [Hq, T, S]
     q_pos = torch.arange(s - t, s)[:, None]
     mask = torch.arange(s)[None, :] > q_pos  # [T, S]
+    if window is not None:
+        mask |= torch.arange(s)[None, :] <= q_pos - window
     scores = scores.masked_fill(mask[None], float("-inf"))
     out = torch.einsum("hts,shd->thd", scores.softmax(-1), vf)
     return out.to(q.dtype)

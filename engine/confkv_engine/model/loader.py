@@ -189,7 +189,7 @@ def _load_hf(path: Path, dtype: torch.dtype, device: str, mode: str) -> LoadedMo
     if mode == "auto":  # nothing quantized to keep: dense, in the dtype asked for
         mode, dtype = _dense_mode(dtype), dtype
     with torch.no_grad():
-        model = build_model(args, hf_loader.iter_tensors(path), dtype, device)
+        model = build_model(args, hf_loader.iter_tensors(path, args), dtype, device)
         quantize = {"int4": quantize_int4, "int8": quantize_int8}.get(mode)
         dense = {} if quantize is None else {
             name: quantize(m.weight) for name, m in model.named_modules()

@@ -21,6 +21,11 @@ every later token mixes), as llama.cpp's mixtures keep ``attn_v`` at more bits t
 They are about an eighth of the linear weights (+10 % weight bytes over all-int8).
 
 ``unpack_q4`` reads the raw GGUF bytes directly: nothing is expanded to fp32 for the 4-bit path.
+Q4_K (super-blocks of 256 = 8 sub-blocks of 32, ``w = d * sc_j * q - dmin * m_j`` with 6-bit
+``sc_j``, ``m_j``) maps onto the same groups of 32 exactly: ``scale = d * sc_j``,
+``zero = 8 * scale - dmin * m_j`` (``unpack_q4_k``). Q5_K and Q6_K have no such layout here (5 and
+6 bits): the loader serves them dense in the activation dtype instead of requantizing them
+(``DENSE_K_TYPES``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from torch import Tensor
 Q4_BLOCK = 32
 # bytes per 32-weight block: Q4_0 = f16 d + 16 nibble bytes; Q4_1 = f16 d + f16 m + 16 bytes.
 _Q4_LAYOUT = {"Q4_0": (18, False), "Q4_1": (20, True)}
-INT4_TYPES = frozenset(_Q4_LAYOUT)
+INT4_TYPES = frozenset({*_Q4_LAYOUT, "Q4_K"})
+DENSE_K_TYPES = frozenset({"Q5_K", "Q6_K"})
+QK_K = 256
+_Q4_K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins, 128 nibble bytes
 INT8_DENSE_LINEARS = ("q_proj", "v_proj")
 
 
@@ -69,7 +77,9 @@ class Int8Weight:
 
 
 def unpack_q4(raw: np.ndarray, type_name: str, k: int) -> Int4Weight:
-    """Raw GGUF Q4_0 / Q4_1 rows (uint8 ``[N, K/32 * block bytes]``) -> exact int4 groups of 32."""
+    """Raw GGUF Q4_0 / Q4_1 / Q4_K rows (uint8 ``[N, K/32 * block bytes]``) -> exact int4 groups of 32."""
+    if type_name == "Q4_K":
+        return unpack_q4_k(raw, k)
     if type_name not in _Q4_LAYOUT:
         raise ValueError(f"not a 4-bit block type: {type_name}")
     block_bytes, has_min = _Q4_LAYOUT[type_name]
@@ -82,6 +92,30 @@ def unpack_q4(raw: np.ndarray, type_name: str, k: int) -> Int4Weight:
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
     zero = (m + 8.0 * d) if m is not None else np.zeros_like(d)
     return Int4Weight(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d),
+                      torch.from_numpy(zero), Q4_BLOCK)
+
+
+def _k4_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 bytes per super-block -> 8 six-bit scales and 8 mins (ggml's ``get_scale_min_k4``)."""
+    p = packed.astype(np.uint8)
+    sc = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 0x0F) | ((p[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def unpack_q4_k(raw: np.ndarray, k: int) -> Int4Weight:
+    """Raw GGUF Q4_K rows (uint8 ``[N, K/256 * 144]``) -> int4 groups of 32, exact in fp32."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, k // QK_K, _Q4_K_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc, mn = _k4_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(n, k // QK_K, 4, 32)
+    # Sub-blocks 2c and 2c + 1 share 32 bytes: the low nibbles are 2c's, the high ones 2c + 1's.
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)
+    scale = (d[..., None] * sc).reshape(n, -1)
+    zero = (8.0 * d[..., None] * sc - dmin[..., None] * mn).reshape(n, -1)
+    return Int4Weight(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(scale),
                       torch.from_numpy(zero), Q4_BLOCK)
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from confkv_engine.model.llama import LlamaForCausalLM, ModelArgs, rope_inv_freq
+from confkv_engine.model.rope import base_inv_freq
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -39,6 +40,10 @@ def expected_names(args: ModelArgs) -> set[str]:
             names.update(f"{p}self_attn.{n}.bias" for n in proj[:3])
         names.update(f"{p}mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj"))
         names.update(f"{p}{n}.weight" for n in ("input_layernorm", "post_attention_layernorm"))
+        if args.qk_norm:
+            names.update(f"{p}self_attn.{n}.weight" for n in ("q_norm", "k_norm"))
+        if args.sandwich_norms:
+            names.update(f"{p}{n}_layernorm.weight" for n in ("pre_feedforward", "post_feedforward"))
     return names
 
 
@@ -90,6 +95,8 @@ def build_model(
     # Buffers are not in the state dict (non-persistent); RoPE frequencies stay fp32 whatever the dtype.
     freqs = rope_inv_freq(args) if inv_freq is None else inv_freq.float()
     model.inv_freq = freqs.to(device)
+    if args.local_rope_theta is not None:
+        model.local_inv_freq = base_inv_freq(args.head_dim, args.local_rope_theta).float().to(device)
     model.eval()
     model.requires_grad_(False)
     return model
