@@ -44,6 +44,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "api_key": ("engine", "api_key"),
     "grpc_socket": ("engine", "grpc_socket"),
     "cache_dir": ("engine", "cache_dir"),
+    "tensor_parallel": ("engine", "tensor_parallel"),
     "max_cache_size": ("confkv", "max_cache_size"),
     "kv_cache_dtype": ("confkv", "kv_cache_dtype"),
     "kv_policy": ("confkv", "kv_policy"),
@@ -108,6 +109,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--no-prefix-cache", action="store_true", help="do not share KV blocks of common prefixes")
     add("--cache-dir", metavar="DIR",
         help="directory (NVMe) for evicted prefix blocks and their index, rebuilt at start-up")
+    add("--tensor-parallel", "--tp", type=int, metavar="N",
+        help="shard the model over N ranks on this machine (one per GPU; gloo processes on CPU); "
+             "N must divide the model's query and KV heads (default 1)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
