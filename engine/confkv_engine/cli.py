@@ -70,7 +70,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--config", metavar="FILE",
         help="confkv.json (a file, or a directory holding one); flags override it")
-    add("--model", help="builtin:smollm2-135m, a .gguf file or a Hugging Face model directory")
+    add("--model", help="builtin:smollm2-135m, builtin:gemma3-270m (optional package), a .gguf file "
+        "or a Hugging Face model directory")
     add("--served-name", "--served-model-name", nargs="+", metavar="NAME",
         help="model name(s) clients may send; responses carry the first, /v1/models lists all "
              "(default: derived from the model)")

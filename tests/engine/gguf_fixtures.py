@@ -99,7 +99,8 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: Q = Q.F32,
     if arch == "gemma3":
         _add_gemma3_fields(writer, cfg)
     else:
-        writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+        theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+        writer.add_rope_freq_base(float(theta))
     if getattr(cfg, "head_dim", None):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)

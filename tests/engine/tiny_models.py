@@ -27,10 +27,11 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
 # transformers class per architecture
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gemma3-llamacpp": "Gemma3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "gemma3-llamacpp": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def tiny_config(arch: str):  # -> transformers.PretrainedConfig
@@ -65,6 +66,8 @@ def tiny_config(arch: str):  # -> transformers.PretrainedConfig
         return transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6)
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(**gemma3_fields(common))
+    if arch == "phi3":  # fused qkv / gate_up projections, a sliding window
+        return transformers.Phi3Config(**common, sliding_window=16, pad_token_id=0)
     if arch == "gemma3-llamacpp":  # what a GGUF can say: llama.cpp's fixed layer pattern and scales
         fields = {**gemma3_fields(common), "num_hidden_layers": 6, "query_pre_attn_scalar": 32}
         del fields["layer_types"]

