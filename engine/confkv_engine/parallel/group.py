@@ -91,9 +91,12 @@ class KVHeadShards:
         return self.group.world
 
     def gather(self, x: Tensor) -> Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.group.world)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=1)
+        # Retention's mirrors live on the host; NCCL moves device tensors only.
+        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device
+        y = x.to(on).contiguous()
+        parts = [torch.empty_like(y) for _ in range(self.group.world)]
+        dist.all_gather(parts, y)
+        return torch.cat(parts, dim=1).to(x.device)
 
     def local(self, x: Tensor) -> Tensor:
         per = x.shape[1] // self.group.world

@@ -20,9 +20,9 @@ class RankKVCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         rank = ["rank"]
-        used = GaugeMetricFamily(RANK_KV_USED, "KV pool bytes in use on each tensor-parallel rank", labels=rank)
+        used = GaugeMetricFamily(RANK_KV_USED, "KV pool bytes used on each tensor-parallel rank", labels=rank)
         total = GaugeMetricFamily(RANK_KV_TOTAL, "KV pool size of each tensor-parallel rank", labels=rank)
-        free = GaugeMetricFamily(RANK_FREE_BLOCKS, "free KV blocks on each tensor-parallel rank", labels=rank)
+        free = GaugeMetricFamily(RANK_FREE_BLOCKS, "free KV blocks of each tensor-parallel rank", labels=rank)
         for u in self.engine.usage_by_rank():
             used.add_metric([str(u.rank)], u.kv_bytes_used)
             total.add_metric([str(u.rank)], u.kv_bytes_total)
