@@ -69,7 +69,8 @@ def tp_section(source: str, degrees: list[int], batch: int = 8, prompt_len: int 
                      "greedy_equal_to_degree_1": got.pop("outputs") == base["outputs"], **got})
     skipped = [d for d in degrees if d > gpus]
     if skipped:
-        rows.append({"section": "tensor_parallel", "skipped": f"degrees {skipped} need more GPUs than {gpus}"})
+        reason = f"degrees {skipped} need more GPUs than {gpus}"
+        rows.append({"section": "tensor_parallel", "skipped": reason})
     return rows
 
 
