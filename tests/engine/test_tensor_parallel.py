@@ -28,7 +28,7 @@ from tests.engine.tiny_models import dense_logits, make_tiny_hf_model
 pytest.importorskip("transformers")
 
 COMMON = [(i * 37 + 11) % 250 for i in range(40)]
-WAVES = [[COMMON + [5, 6, 7]], [COMMON + [9] * 21, [(i * 13 + 1) % 250 for i in range(70)]]]
+WAVES = [[COMMON + [5, 6, 7]], [COMMON + [9] * 21, [(i * 37 + 11) % 250 for i in range(150)]]]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 CASES = {  # name: (prefix cache, confkv section)
     "full-prefix": (True, {"kvPolicy": "full"}),
