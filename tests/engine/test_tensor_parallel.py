@@ -127,16 +127,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 def _reference(model_dir: Path, case: str, monkeypatch) -> dict:  # type: ignore[no-untyped-def]
     loaded = load_model(str(model_dir), dtype=torch.float32, device="cpu")
-    seen: list = []
-    original = RetentionManager.after_step
-
-    def after_step(self, seq, state, num_computed):  # type: ignore[no-untyped-def]
-        freed = original(self, seq, state, num_computed)
-        if state is not None:
-            seen.append((num_computed, state.pos.clone(), state.tiers.clone()))
-        return freed
-
-    monkeypatch.setattr(RetentionManager, "after_step", after_step)
+    monkeypatch.setattr(RetentionManager, "after_step", RetentionManager.after_step)  # restored after
+    seen = _spy_decisions()
     engine = LLMEngine(loaded, _config(case))
     _granularity(engine, case)
     peak = [0]
