@@ -130,6 +130,9 @@ class EngineSection(_Model):
     api_key: str | None = None
     grpc_socket: str | None = None
     cache_dir: str | None = None
+    # Tensor-parallel degree: ranks on this machine, one per GPU (gloo processes on CPU); it must
+    # divide the model's query and KV heads (checked at load, when the model is known).
+    tensor_parallel: int = Field(default=1, ge=1, le=64)
 
     @property
     def control_socket(self) -> str:

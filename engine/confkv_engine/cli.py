@@ -47,6 +47,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "api_key": ("engine", "api_key"),
     "grpc_socket": ("engine", "grpc_socket"),
     "cache_dir": ("engine", "cache_dir"),
+    "tensor_parallel": ("engine", "tensor_parallel"),
     "max_cache_size": ("confkv", "max_cache_size"),
     "kv_cache_dtype": ("confkv", "kv_cache_dtype"),
     "kv_policy": ("confkv", "kv_policy"),
@@ -131,6 +132,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--header-timeout", type=_seconds, metavar="S",
         help="seconds a client has to send a request's line and headers before the connection is closed "
              "with 408 (default 10)")
+    add("--tensor-parallel", "--tp", type=int, metavar="N",
+        help="shard the model over N ranks on this machine (one per GPU; gloo processes on CPU); "
+             "N must divide the model's query and KV heads (default 1)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

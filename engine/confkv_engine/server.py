@@ -110,10 +110,14 @@ class ServerState:
             from confkv_engine.model.loader import load_model, resolve_device, resolve_dtype
 
             cfg = self.config
-            device = resolve_device(cfg.engine.device)
-            loaded = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype, device), device,
-                                weights=cfg.model.weights)
-            core = LLMEngine(loaded, cfg)
+            if cfg.engine.tensor_parallel > 1:  # rank 0 of a group it spawns (parallel.launch)
+                from confkv_engine.parallel.launch import start_leader
+                loaded, core = start_leader(cfg, self.metrics.registry)
+            else:
+                device = resolve_device(cfg.engine.device)
+                loaded = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype, device), device,
+                                    weights=cfg.model.weights)
+                core = LLMEngine(loaded, cfg)
             engine = AsyncEngine(core,
                                  on_finished=self.metrics.observe_finished,
                                  on_aborted=self.metrics.observe_aborted)

@@ -26,9 +26,10 @@ from confkv_engine.core.compression import CompressionControl
 from confkv_engine.core.memory_profile import plan_startup_memory
 from confkv_engine.core.scheduler import Scheduler
 from confkv_engine.model.compiled import compile_elementwise
+from confkv_engine.parallel.shard import local_heads
 from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
 from confkv_engine.retention.policies import RetentionConfig
-from confkv_engine.retention.runtime import decision_interval
+from confkv_engine.retention.runtime import HeadShards, decision_interval
 
 
 class NullTokenizer:
@@ -62,11 +63,15 @@ class EngineParts:
     memory_plan: MemoryPlan
 
 
-def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | None = None) -> EngineParts:
+def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | None = None,
+                shards: HeadShards | None = None) -> EngineParts:
     """``loaded``: a ``model.loader.LoadedModel`` or anything with its attributes; ``retention``
-    overrides the confkv section's retention defaults."""
+    overrides the confkv section's retention defaults; ``shards``: this rank's share of the KV heads
+    under tensor parallelism (the model is sharded already; its attention layers say how many heads
+    this rank computes, which sizes the pool)."""
     eng, model = config.engine, loaded.model
     args = model.args
+    num_heads, num_kv_heads = local_heads(model)
     max_model_len = int(getattr(loaded, "max_model_len", 0) or args.max_position_embeddings)
     if config.model.max_model_len:
         max_model_len = min(max_model_len, config.model.max_model_len)
@@ -78,7 +83,7 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     compile_seconds = None  # model.compile: start-up compile time (logged)
     if config.model.compile:
         compile_seconds = compile_elementwise(model, dtype, Path(eng.cache_dir) if eng.cache_dir else None)
-    spec = CacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, eng.block_size, cache_dtype, device,
+    spec = CacheSpec(args.num_layers, num_kv_heads, args.head_dim, eng.block_size, cache_dtype, device,
                      compute_dtype=dtype)
     size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
     ev = config.confkv.eviction
@@ -95,7 +100,7 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     chunk = retained_chunk(config.confkv, eng.prefill_chunk)
     interval = decision_interval(spec.block_size, chunk)
     defaults = retention or config_from_section(config.confkv, interval)
-    manager = RetentionManager(cache, args.num_heads, defaults, chunk)
+    manager = RetentionManager(cache, num_heads, defaults, chunk, shards)
     # Admission reserves a binding budget, not the full length, and chunks of retained sequences
     # never cross a decision point, so replays are exact.
     scheduler = Scheduler(cache, manager, eng.max_batch_size, eng.max_num_batched_tokens, eng.prefill_chunk)
@@ -105,6 +110,6 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
         vocab_size=args.vocab_size, max_model_len=max_model_len,
         eos_token_ids=tuple(getattr(loaded, "eos_token_ids", ()) or ()), device=device, dtype=dtype,
         cache_dtype=cache_dtype, compile_seconds=compile_seconds, cache=cache, disk=disk, retention=manager,
-        backend=RetentionAttention(cache, args.num_heads, memory_plan.gather_bytes), scheduler=scheduler,
+        backend=RetentionAttention(cache, num_heads, memory_plan.gather_bytes), scheduler=scheduler,
         compression=CompressionControl(cache, lock, device, config.confkv.compression), lock=lock,
         max_waiting=eng.max_waiting, memory_plan=memory_plan)

@@ -30,7 +30,7 @@ from confkv_engine.cache.usage import KVUsage
 from confkv_engine.retention import budget, scorer
 from confkv_engine.retention.compaction import apply_precision, apply_tiers, held_bytes
 from confkv_engine.retention.policies import RetentionConfig
-from confkv_engine.retention.runtime import RetentionState, accounting, decision_interval
+from confkv_engine.retention.runtime import HeadShards, RetentionState, accounting, decision_interval
 from confkv_engine.retention.scoring import score_pending
 from confkv_engine.retention.tiers import TierConfig, budget_target, chain_from_names, is_decision_point
 
@@ -92,9 +92,12 @@ class RetainedRequest(Protocol):
 
 class RetentionManager:
     def __init__(self, cache: KVCache, num_q_heads: int, defaults: RetentionConfig,
-                 prefill_chunk: int) -> None:
+                 prefill_chunk: int, shards: HeadShards | None = None) -> None:
+        """``shards``: under tensor parallelism, this rank's share of the KV heads (decisions are
+        made over every rank's; ``RetentionState.decide``)."""
         spec = cache.spec
         self.cache = cache
+        self.shards = shards
         self.group = num_q_heads // spec.num_kv_heads
         self.interval = decision_interval(spec.block_size, prefill_chunk)
         self.check(defaults)
@@ -191,7 +194,9 @@ class RetentionManager:
         if cfg.policy == "full":
             return None
         spec = self.cache.spec
-        return RetentionState(cfg=cfg, acct=accounting(self.cache, cfg), num_layers=spec.num_layers,
+        world = 1 if self.shards is None else self.shards.world
+        return RetentionState(cfg=cfg, acct=accounting(self.cache, cfg, world), shards=self.shards,
+                              num_layers=spec.num_layers,
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, group=self.group,
                               interval=self.interval, base=shared_slots, protect=max(protect, shared_slots))
 

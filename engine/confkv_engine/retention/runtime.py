@@ -27,6 +27,7 @@ so it only ever changes a request's private blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -51,10 +52,13 @@ def decision_interval(block_size: int, prefill_chunk: int) -> int:
     return -(-max(prefill_chunk, block_size) // block_size) * block_size
 
 
-def accounting(cache: KVCache, cfg: RetentionConfig) -> KVAccounting:
+def accounting(cache: KVCache, cfg: RetentionConfig, shards: int = 1) -> KVAccounting:
     """Pool bytes of a sequence: K and V blocks (block_bytes includes the pool's position ints),
-    plus this state's per-slot metadata and merged values (fp32), for every unit."""
+    plus this state's per-slot metadata and merged values (fp32), for every unit. ``shards``:
+    the tensor-parallel degree, to count every rank's KV heads (the bytes TP = 1 would count)."""
     spec = cache.spec
+    if shards > 1:
+        spec = replace(spec, num_kv_heads=spec.num_kv_heads * shards)
     units = spec.num_layers * spec.num_kv_heads
     meta = units * (4 + 4 + 1) + 4 if cfg.policy != "streaming" else 0  # acc, norm, tier; c_samp
     fixed = units * (spec.head_dim + 1) * 4 if cfg.uses_key_only else 0
@@ -62,6 +66,20 @@ def accounting(cache: KVCache, cfg: RetentionConfig) -> KVAccounting:
                                                             cfg.tiers.precision_group))
                   for p in cfg.tiers.precisions) if cfg.uses_precision else ()
     return KVAccounting(spec.block_size, spec.block_bytes, meta if cfg.policy != "full" else 0, fixed, pairs)
+
+
+class HeadShards(Protocol):
+    """This rank's share of the KV heads under tensor parallelism (``parallel.retention``)."""
+
+    world: int
+
+    def gather(self, x: Tensor) -> Tensor:
+        """[L, h, n] on every rank -> [L, world * h, n], the same on every rank."""
+        ...
+
+    def local(self, x: Tensor) -> Tensor:
+        """[L, world * h, n] -> this rank's [L, h, n]."""
+        ...
 
 
 @dataclass
@@ -96,6 +114,8 @@ class RetentionState:
     protect: int = 0
     schedule: ScheduleState = field(default_factory=ScheduleState)  # the budget schedule's account
     frozen: int = 0  # slots [base, base + frozen): whole blocks of precision tiers (compressed)
+    # Tensor parallelism: this rank holds some KV heads; decisions see every rank's (see ``decide``).
+    shards: HeadShards | None = None
 
     def __post_init__(self) -> None:
         shape = (self.num_layers, self.num_kv_heads, self.base)
@@ -194,9 +214,12 @@ class RetentionState:
         bs = self.acct.block_size
         return [int(self.tiers[0, 0, s]) for s in range(self.base, self.key_start, bs)]
 
+    def _c_samp(self, length: int) -> Tensor:
+        return torch.tensor(self.c_samp + [scorer.NEUTRAL_SAMPLING] * max(0, length - len(self.c_samp)))
+
     def _view(self, length: int) -> SlotView:
         """Units flattened: [L * Hkv, n] (policies see units, not layers and heads)."""
-        c = torch.tensor(self.c_samp + [scorer.NEUTRAL_SAMPLING] * max(0, length - len(self.c_samp)))
+        c = self._c_samp(length)
         n = self.num_slots
         return SlotView(pos=self.pos.reshape(-1, n), tiers=self.tiers.reshape(-1, n),
                         acc=self.acc.reshape(-1, n), norm=self.norm.reshape(-1, n),
@@ -264,6 +287,20 @@ class RetentionState:
         floor = self.acct.held_bytes(*(2 * [min(length, cfg.tiers.sinks + cfg.tiers.min_window)]))
         return self.schedule.target(cfg.schedule, fixed, floor, reference)
 
+    def _select(self, length: int, target: int) -> Tensor:
+        """The policy's new tiers for this state's units. Under tensor parallelism the policy sees
+        every rank's units (gathered; identical on all ranks, so each rank decides the same and keeps
+        its own heads' part) and ``acct`` counts them all: the decision equals the one TP = 1 makes."""
+        if self.shards is None:
+            return policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
+        pos, tiers, acc, norm = (self.shards.gather(t) for t in (self.pos, self.tiers, self.acc, self.norm))
+        n, c = self.num_slots, self._c_samp(length)
+        view = replace(self._view(length), heads=pos.shape[1], pos=pos.reshape(-1, n),
+                       tiers=tiers.reshape(-1, n), acc=acc.reshape(-1, n), norm=norm.reshape(-1, n),
+                       c_samp=c[pos].reshape(-1, n))
+        new = policies.select(view, self.cfg, self.acct, target).view_as(tiers)
+        return self.shards.local(new)
+
     def decide(self, length: int, under_pressure: bool = False) -> Tensor | None:
         """New tiers at a decision point, or None when nothing changes."""
         if self.cfg.policy == "full" or not is_decision_point(length, self.interval):
@@ -272,7 +309,7 @@ class RetentionState:
         scheduled = self._schedules(under_pressure)
         reference = self._fixed_would_hold(fixed, length) if scheduled else fixed
         target = self._scheduled_target(fixed, reference, length) if scheduled else fixed
-        new = policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
+        new = self._select(length, target)
         limit = policies.window_limit(length, self.prev_decision, self.prev_window)
         self.prev_decision = length
         self.prev_window = self.cfg.recent_window(self.acct, target, limit)

@@ -1,0 +1,103 @@
+"""The tensor-parallel process group and the three collectives the model needs.
+
+One ``TPGroup`` per rank: ``torch.distributed`` with gloo on CPU and NCCL on CUDA, created with a
+timeout, so a collective that waits on a dead rank raises instead of hanging (the launcher turns
+that into the server's exit). Nothing here is a communication layer of its own: every collective
+is ``torch.distributed``'s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+DEFAULT_TIMEOUT_SECONDS = 60.0
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel setting this model or machine cannot serve."""
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    world: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum over ranks, in place (the row-parallel linears' partial outputs)."""
+        dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: Tensor) -> Tensor:
+        """Concatenate every rank's ``x`` along the last dimension (vocabulary shards)."""
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; the step plan, small)."""
+        box = [obj if self.is_leader else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def check_degree(world: int, num_heads: int, num_kv_heads: int) -> None:
+    """Refuse a degree that does not split the query heads and the KV heads evenly."""
+    if world < 1:
+        raise TensorParallelError(f"tensorParallel must be >= 1, got {world}")
+    bad = [f"{n} {what}" for n, what in ((num_heads, "query heads"), (num_kv_heads, "KV heads")) if n % world]
+    if bad:
+        raise TensorParallelError(
+            f"tensorParallel {world} does not divide the model's {' and '.join(bad)}; "
+            f"use a degree that divides both {num_heads} query heads and {num_kv_heads} KV heads")
+
+
+def init_group(rank: int, world: int, master_port: int, device: str,
+               timeout_s: float = DEFAULT_TIMEOUT_SECONDS, master_addr: str = "127.0.0.1") -> TPGroup:
+    """Join the group as ``rank`` (torchrun's environment: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE)."""
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    os.environ["MASTER_PORT"] = str(master_port)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TPGroup(rank, world)
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class KVHeadShards:
+    """This rank's contiguous share of the KV heads, for the retention policy (``HeadShards``)."""
+
+    group: TPGroup
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    def gather(self, x: Tensor) -> Tensor:
+        # Retention's mirrors live on the host; NCCL moves device tensors only.
+        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device
+        y = x.to(on).contiguous()
+        parts = [torch.empty_like(y) for _ in range(self.group.world)]
+        dist.all_gather(parts, y)
+        return torch.cat(parts, dim=1).to(x.device)
+
+    def local(self, x: Tensor) -> Tensor:
+        per = x.shape[1] // self.group.world
+        return x[:, self.group.rank * per:(self.group.rank + 1) * per].contiguous()

@@ -1,0 +1,163 @@
+"""``confkv serve --tensor-parallel N``: one machine, N ranks in one process group.
+
+The serving process is rank 0 (HTTP, gRPC control, scheduler, sampling); it spawns ranks 1..N-1 as
+``torch.multiprocessing`` children (spawn start method, torchrun's environment variables) which
+load the same checkpoint, keep their shard and follow rank 0's steps (``parallel.engine``).
+
+Choices written down here because the brief of a user of vLLM expects them:
+- the degree must divide the query heads and the KV heads (and the MLP width): refused before any
+  rank starts, with the numbers in the message;
+- weights load dense (``model.weights`` auto becomes the dtype's dense mode; int4 / int8 are refused:
+  their packed layouts are not sharded);
+- every rank's pool is ``confkv.maxCacheSize`` of its own device: a rank holds only its KV heads, so
+  the same pool holds ``N`` times the tokens per device byte;
+- a rank that exits ends the server at once (rank 0 watches its children), and one that hangs ends
+  it when the group's collective timeout (``DEFAULT_TIMEOUT_SECONDS``) expires: exit code
+  ``EXIT_RANK_LOST`` with the reason on stderr, so the pod restarts instead of hanging;
+- background compression of cached blocks is switched off (it runs on a timer per process and
+  would make the ranks' caches differ); the disk store is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from confkv_api.config import ConfKVConfig, with_overrides
+from confkv_engine.core.parts import build_parts
+from confkv_engine.parallel.engine import LeaderEngine, WorkerEngine
+from confkv_engine.parallel.group import (
+    DEFAULT_TIMEOUT_SECONDS,
+    KVHeadShards,
+    TensorParallelError,
+    TPGroup,
+    check_degree,
+    destroy_group,
+    init_group,
+)
+from confkv_engine.parallel.shard import shard_model
+from confkv_engine.retention.policies import RetentionConfig
+
+log = logging.getLogger(__name__)
+EXIT_RANK_LOST = 3
+
+
+def tp_config(config: ConfKVConfig) -> ConfKVConfig:
+    """The config every rank runs (see the module docstring); raises TensorParallelError."""
+    if config.engine.cache_dir:
+        raise TensorParallelError("engine.cacheDir (the disk store) is not supported with tensorParallel > 1")
+    if config.model.weights in ("int4", "int8"):
+        raise TensorParallelError(f"weights {config.model.weights!r} cannot be sharded: use auto, fp32 or "
+                                  f"bf16 with tensorParallel > 1")
+    dense = "bf16" if config.model.dtype == "bfloat16" else "fp32"
+    config = with_overrides(config, "model", weights=dense)
+    return with_overrides(config, "confkv", compression={**config.confkv.compression.model_dump(),
+                                                         "enabled": False})
+
+
+def _load(config: ConfKVConfig) -> Any:
+    from confkv_engine.model.loader import load_model, resolve_device, resolve_dtype
+
+    device = resolve_device(config.engine.device)
+    return load_model(config.model.source, resolve_dtype(config.model.dtype, device), device,
+                      weights=config.model.weights)
+
+
+def build_rank(loaded: Any, config: ConfKVConfig, group: TPGroup, leader: bool,
+               retention: RetentionConfig | None = None) -> LeaderEngine | WorkerEngine:
+    """Shard ``loaded``'s model for ``group.rank`` and build that rank's engine on it
+    (``retention`` overrides the config's retention defaults, as ``build_parts``'s does)."""
+    shard_model(loaded.model, group)
+    parts = build_parts(loaded, config, retention, shards=KVHeadShards(group))
+    cls = LeaderEngine if leader else WorkerEngine
+    return cls(group, loaded, config, parts=parts)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_main(rank: int, world: int, port: int, config_json: str, timeout_s: float) -> None:
+    """A spawned rank: load, shard, follow rank 0 until it stops; exit non-zero on a lost group."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    config = ConfKVConfig.model_validate_json(config_json)
+    try:
+        loaded = _load(config)
+        group = init_group(rank, world, port, str(loaded.device), timeout_s)
+        engine = build_rank(loaded, config, group, leader=False)
+        engine.serve_forever()  # type: ignore[union-attr]
+        destroy_group()
+    except Exception as err:  # the group is lost: say so and leave (rank 0 exits on its side)
+        print(f"confkv: tensor-parallel rank {rank} stopped: {type(err).__name__}: {err}", file=sys.stderr,
+              flush=True)
+        os._exit(EXIT_RANK_LOST)
+
+
+def rank_lost(reason: str) -> None:
+    """End the serving process: a group with a missing rank can never step again."""
+    print(f"confkv: tensor-parallel group lost: {reason}; stopping the server", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(EXIT_RANK_LOST)
+
+
+class Leader:
+    """Rank 0's side of the group: the spawned workers, the heartbeat and the watch on both."""
+
+    def __init__(self, config: ConfKVConfig, timeout_s: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+        self.config, self.timeout_s = tp_config(config), timeout_s
+        self.world = config.engine.tensor_parallel
+        self.procs: list[Any] = []
+        self.engine: LeaderEngine | None = None
+
+    def start(self) -> tuple[Any, LeaderEngine]:
+        """Load on rank 0 (the degree is checked before any rank starts), spawn the others, join."""
+        loaded = _load(self.config)
+        check_degree(self.world, loaded.model.args.num_heads, loaded.model.args.num_kv_heads)
+        port = _free_port()
+        ctx = torch.multiprocessing.get_context("spawn")
+        body = self.config.model_dump_json(by_alias=True)
+        for rank in range(1, self.world):
+            proc = ctx.Process(target=worker_main, args=(rank, self.world, port, body, self.timeout_s),
+                               daemon=True, name=f"confkv-tp-rank{rank}")
+            proc.start()
+            self.procs.append(proc)
+        group = init_group(0, self.world, port, str(loaded.device), self.timeout_s)
+        self.engine = build_rank(loaded, self.config, group, leader=True)  # type: ignore[assignment]
+        self.engine.on_group_lost = rank_lost  # type: ignore[union-attr]
+        threading.Thread(target=self._watch, name="confkv-tp-watch", daemon=True).start()
+        return loaded, self.engine  # type: ignore[return-value]
+
+    def _watch(self) -> None:
+        """Exit when a worker exits; keep idle workers' collectives within the timeout."""
+        every = max(0.5, self.timeout_s / 4)
+        while self.engine is not None and not self.engine.stopped:
+            for proc in self.procs:
+                if proc.exitcode is not None:
+                    rank_lost(f"rank {self.procs.index(proc) + 1} exited with code {proc.exitcode}")
+            try:
+                self.engine.heartbeat(every)
+            except Exception as err:  # a collective timed out or a peer closed its connection
+                rank_lost(f"{type(err).__name__}: {err}")
+            time.sleep(0.2)
+
+
+def start_leader(config: ConfKVConfig, registry: Any = None) -> tuple[Any, LeaderEngine]:
+    """Rank 0 of a group of ``engine.tensorParallel`` ranks: (loaded model, its engine). With a
+    Prometheus ``registry``, /metrics gains every rank's KV usage (``RankKVCollector``)."""
+    loaded, engine = Leader(config).start()
+    if registry is not None:
+        from confkv_engine.parallel.metrics import RankKVCollector
+
+        registry.register(RankKVCollector(engine))
+    return loaded, engine
