@@ -1,0 +1,140 @@
+"""Paged attention on CPU without copying a context: the pool is read through views.
+
+Per sequence, its table is cut into *pieces*: runs of consecutive blocks of one source (pool or
+side), further cut where the KEY_ONLY range starts and ends and where the step's own slots begin.
+Every piece is a strided view of the pool (no copy) that PyTorch's CPU flash kernel attends with
+its log-sum-exp (``partial.attend_lse``: bf16 / fp16 accumulated in fp32, query heads grouped per KV
+head so GQA reads K and V once); a KEY_ONLY piece contributes its log-sum-exp with the stand-in
+as its output; the pieces combine exactly (``partial.combine``). The step's own slots of a prefill
+chunk (at most the chunk's length) are read into a small tensor and attended with the causal kernel.
+
+A sliding window is applied by starting the pieces at the first slot the query sees (decode); a
+prefill chunk under a window is attended by the reference for that sequence (one copy of its
+window), since a banded causal pattern has no mask-free CPU kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from confkv_engine.attention import partial
+from confkv_engine.attention.kernels.batch import PagedBatch
+from confkv_engine.attention.kernels.reference import paged_attention_reference, read_slots
+
+Piece = tuple[Tensor, int, int, int]  # (source, first flat slot in source, slots, kind: 0 full, 1 key-only)
+
+
+def _pieces(pool: Tensor, side: Tensor | None, table: list[int], lo: int, hi: int, ko: tuple[int, int],
+            bs: int) -> list[Piece]:
+    """Slots ``[lo, hi)`` of a table as views into their sources, cut at the KEY_ONLY bounds."""
+    nb = pool.shape[0]
+    cuts = sorted({lo, hi, *(c for c in (ko[0], ko[0] + ko[1]) if lo < c < hi)})
+    out: list[Piece] = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        kind = int(ko[1] > 0 and ko[0] <= a < ko[0] + ko[1])
+        s = a
+        while s < b:
+            blk = table[s // bs]
+            src, base = (pool, blk) if blk < nb or side is None else (side, blk - nb)
+            run_end = (s // bs + 1) * bs
+            while run_end < b and table[run_end // bs] == table[run_end // bs - 1] + 1 and \
+                    (table[run_end // bs] < nb) == (blk < nb):
+                run_end += bs
+            end = min(run_end, b)
+            out.append((src, base * bs + s % bs, end - s, kind))
+            s = end
+    return out
+
+
+def _attend_pieces(qg: Tensor, k_pieces: list[Piece], v_pieces: list[Piece], stand: Tensor | None,
+                   scale: float) -> list[tuple[Tensor, Tensor]]:
+    """qg [1, Hkv, G*T, D] against each piece: (out [1, Hkv, G*T, D], lse [1, Hkv, G*T])."""
+    hkv, d = qg.shape[1], qg.shape[-1]
+    parts = []
+    for (ks, k0, n, kind), (vs, v0, _, _) in zip(k_pieces, v_pieces, strict=True):
+        keys = ks.view(-1, hkv, d)[k0:k0 + n].transpose(0, 1)[None].to(qg.dtype)
+        vals = keys if kind else vs.view(-1, hkv, d)[v0:v0 + n].transpose(0, 1)[None].to(qg.dtype)
+        out, lse = partial.attend_lse(qg, keys, vals, scale=scale)
+        if kind and stand is not None:
+            out = stand.to(qg.dtype)[None, :, None, :].expand_as(out)
+        parts.append((out, lse))
+    return parts
+
+
+def _one(q: Tensor, pool: Tensor, side: Tensor | None, batch: PagedBatch, i: int,
+         stand: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """Sequence ``i``'s rows: (out [T, Hq, D], lse [T, Hq])."""
+    hkv, d, bs = pool.shape[2], pool.shape[3], batch.block_size
+    n, tq = int(batch.seq_lens[i]), int(batch.q_len[i])
+    g = q.shape[1] // hkv
+    cached = n - tq
+    lo = 0 if batch.window is None else max(0, n - batch.window)
+    ko = (int(batch.key_only[i, 0]), int(batch.key_only[i, 1]))
+    k_table, v_table = batch.k_table[i].tolist(), batch.v_table[i].tolist()
+    qg = q.view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * tq, d)
+    old_end = cached if tq > 1 else n  # a decode row sees its own slot like any cached one
+    parts = []
+    if old_end > lo:
+        k_p = _pieces(pool, side, k_table, lo, old_end, ko, bs)
+        v_p = _align(k_p, pool, side, v_table, lo, bs)
+        parts += _attend_pieces(qg, k_p, v_p, stand, scale)
+    if parts:
+        merged = (partial.combine(parts) if len(parts) > 1 else parts[0][0],
+                  torch.logsumexp(torch.stack([lse for _, lse in parts]), 0))
+        parts = [(merged[0].view(hkv, g, tq, d).permute(2, 0, 1, 3).reshape(tq, hkv * g, d),
+                  merged[1].view(hkv, g, tq).permute(2, 0, 1).reshape(tq, hkv * g))]
+    if tq > 1:  # the chunk's own slots, causal
+        keys = read_slots(pool, side, batch.k_table[i], n)[cached:].to(q.dtype)
+        vals = read_slots(pool, side, batch.v_table[i], n)[cached:].to(q.dtype)
+        own_ko = torch.arange(cached, n)
+        own_ko = (own_ko >= ko[0]) & (own_ko < ko[0] + ko[1])
+        if stand is not None and bool(own_ko.any()):
+            vals[own_ko] = stand.to(q.dtype)
+        kh, vh = (x.repeat_interleave(g, dim=1).transpose(0, 1)[None] for x in (keys, vals))
+        out, lse = partial.attend_lse(q.transpose(0, 1)[None], kh, vh, causal=True, scale=scale)
+        parts.append((out[0].transpose(0, 1), lse[0].transpose(0, 1)))
+    lses = torch.stack([lse for _, lse in parts])
+    return partial.combine(parts), torch.logsumexp(lses, 0)
+
+
+def _align(k_pieces: list[Piece], pool: Tensor, side: Tensor | None, v_table: list[int], lo: int,
+           bs: int) -> list[Piece]:
+    """V pieces cut at the K pieces' slots (the two tables' runs may differ); a K piece over two V
+    runs gets its values read into a small tensor (rare: K and V blocks are reserved in pairs)."""
+    hkv, d = pool.shape[2], pool.shape[3]
+    out: list[Piece] = []
+    start = lo
+    for _, _, n, _ in k_pieces:
+        sub = _pieces(pool, side, v_table, start, start + n, (0, 0), bs)
+        if len(sub) == 1:
+            out.append(sub[0])
+        else:
+            vals = read_slots(pool, side, torch.tensor(v_table), start + n)[start:]
+            out.append((vals.reshape(-1, hkv, d), 0, n, 0))
+        start += n
+    return out
+
+
+def paged_attention_cpu(q: Tensor, pool: Tensor, batch: PagedBatch, side: Tensor | None = None,
+                        stand_in: Tensor | None = None,
+                        scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """``PagedKernel`` on CPU: out [T, Hq, D] in q's dtype, lse [T, Hq] fp32."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    outs, lses = [], []
+    for i in range(batch.num_seqs):
+        start, tq = int(batch.q_start[i]), int(batch.q_len[i])
+        if batch.window is not None and tq > 1:
+            one = PagedBatch(batch.k_table[i:i + 1], batch.v_table[i:i + 1], batch.seq_lens[i:i + 1],
+                             torch.zeros(1, dtype=torch.int32), batch.q_len[i:i + 1], batch.key_only[i:i + 1],
+                             tq, batch.block_size, batch.window)
+            out, lse = paged_attention_reference(q[start:start + tq], pool, one, side,
+                                                 None if stand_in is None else stand_in[i:i + 1], scale)
+        else:
+            out, lse = _one(q[start:start + tq], pool, side, batch, i,
+                            None if stand_in is None else stand_in[i], scale)
+        outs.append(out.to(q.dtype))
+        lses.append(lse.float())
+    return torch.cat(outs), torch.cat(lses)
