@@ -106,3 +106,22 @@ def test_decode_splits_combine_exactly(triton_kernel) -> None:
 def test_window_must_hold_a_slot() -> None:
     with pytest.raises(ValueError, match="sliding window"):
         PagedBatch.build([[0]], [[1]], [3], [1], None, BS, torch.device("cpu"), window=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernel")
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: f"hkv{c[0]}-g{c[1]}-d{c[2]}-{str(c[3])[6:]}")
+def test_compiled_triton_kernel_on_cuda(case) -> None:
+    """The same kernel compiled for the GPU (where the engine chooses it) against the reference."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter is on in this process")
+    from confkv_engine.attention.kernels.triton_paged import paged_attention_triton
+
+    q, pool, side, stand, batch = random_case(4, *case)
+    want_out, want_lse = paged_attention_reference(q, pool, batch, side, stand)
+    dev = torch.device("cuda")
+    on_dev = PagedBatch(*(getattr(batch, f).to(dev) for f in ("k_table", "v_table", "seq_lens", "q_start",
+                                                                "q_len", "key_only")),
+                        batch.max_q_len, batch.block_size, batch.window)
+    out, lse = paged_attention_triton(q.to(dev), pool.to(dev), on_dev, side.to(dev), stand.to(dev))
+    assert (out.float().cpu() - want_out.float()).abs().max() <= TOL[q.dtype]
+    assert (lse.cpu() - want_lse).abs().max() <= TOL[q.dtype]

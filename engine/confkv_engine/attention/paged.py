@@ -98,7 +98,8 @@ class PagedAttention:
         self._seqs: list[SeqKV] = []
         self._num_new: list[int] = []
         wanted = spec.device.type == "cuda" if in_place is None else in_place
-        self.kernel: PagedKernel | None = kernel_for(spec.device, spec.dtype) if wanted else None
+        self.kernel: PagedKernel | None = (kernel_for(spec.device, spec.dtype, spec.block_size, spec.head_dim)
+                                           if wanted else None)
         self.paged: PagedBatch | None = None
         self._side: GatherPlan | None = None
 

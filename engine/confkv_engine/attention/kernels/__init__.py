@@ -19,11 +19,15 @@ __all__ = ["PagedBatch", "PagedKernel", "kernel_for"]
 FLOAT_POOLS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def kernel_for(device: torch.device, pool_dtype: torch.dtype) -> PagedKernel | None:
+def kernel_for(device: torch.device, pool_dtype: torch.dtype, block_size: int = 16,
+               head_dim: int = 64) -> PagedKernel | None:
     """The kernel for a pool on ``device`` storing ``pool_dtype``, or None (use the gathering path)."""
     if pool_dtype not in FLOAT_POOLS:
         return None
     if device.type == "cuda":
+        # Triton tiles need powers of two, and its dot products at least 16 rows and columns.
+        if not all(x >= 16 and x & (x - 1) == 0 for x in (block_size, head_dim)):
+            return None
         from confkv_engine.attention.kernels.triton_paged import paged_attention_triton
 
         return paged_attention_triton

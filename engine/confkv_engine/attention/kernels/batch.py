@@ -25,7 +25,7 @@ the positions of a cache retention never compacted).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -45,6 +45,8 @@ class PagedBatch:
     max_q_len: int
     block_size: int
     window: int | None = None  # visible slots per query (None: all)
+    # A kernel's per-step plans (the same in every layer), computed at the first layer.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
