@@ -125,3 +125,17 @@ def test_compiled_triton_kernel_on_cuda(case) -> None:
     out, lse = paged_attention_triton(q.to(dev), pool.to(dev), on_dev, side.to(dev), stand.to(dev))
     assert (out.float().cpu() - want_out.float()).abs().max() <= TOL[q.dtype]
     assert (lse.cpu() - want_lse).abs().max() <= TOL[q.dtype]
+
+
+def test_layer_window_overrides_the_batch(triton_kernel) -> None:
+    """A local layer's window passed per call equals a batch built with that window (Gemma 3's
+    sliding-window layers share the step's batch with its global layers)."""
+    q, pool, side, stand, windowed = random_case(5, 1, 3, 64, torch.float32, [1, 7], [90, 40], 24)
+    plain = PagedBatch(windowed.k_table, windowed.v_table, windowed.seq_lens, windowed.q_start,
+                       windowed.q_len, windowed.key_only, windowed.max_q_len, BS)
+    want_out, want_lse = paged_attention_reference(q, pool, windowed, side, stand)
+    for kernel in (triton_kernel, paged_attention_cpu, paged_attention_reference):
+        out, lse = kernel(q, pool, plain, side, stand, window=24)
+        assert (out - want_out).abs().max() <= 1e-3 and (lse - want_lse).abs().max() <= 1e-3
+    full_out, _ = paged_attention_reference(q, pool, plain, side, stand)
+    assert (full_out - want_out).abs().max() > 1e-2  # the window changes the result

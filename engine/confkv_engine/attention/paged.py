@@ -172,10 +172,11 @@ class PagedAttention:
         """[N, Hkv, D] values standing in for each sequence's KEY_ONLY slots, or None."""
         return None
 
-    def _attend_paged(self, layer: int, q: Tensor) -> Tensor:
+    def _attend_paged(self, layer: int, q: Tensor, window: int | None = None) -> Tensor:
+        """The step's rows through the kernel; ``window``: this layer's sliding window, in slots."""
         side = None if self._side is None else self.cache.gather(layer, self._side)
         out, _ = cast(PagedKernel, self.kernel)(q, self.cache.kv[layer], cast(PagedBatch, self.paged), side,
-                                                self._stand_in(layer))
+                                                self._stand_in(layer), window=window)
         return out
 
     def end_step(self) -> None:

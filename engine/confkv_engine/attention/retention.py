@@ -77,11 +77,11 @@ class RetentionAttention(PagedAttention):
                 st.on_queries(layer, q[i:i + 1])
         return super()._attend_decode(layer, q)
 
-    def _attend_paged(self, layer: int, q: Tensor) -> Tensor:
+    def _attend_paged(self, layer: int, q: Tensor, window: int | None = None) -> Tensor:
         for i, st in enumerate(self._states):
             if st is not None and st.wants_probs:
                 st.on_queries(layer, q[self.offsets[i]:self.offsets[i + 1]])
-        return super()._attend_paged(layer, q)
+        return super()._attend_paged(layer, q, window)
 
     def _key_only(self) -> list[tuple[int, int]] | None:
         spans = [(st.key_start, st.n_key) if st is not None and st.n_key else (0, 0) for st in self._states]

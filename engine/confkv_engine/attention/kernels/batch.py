@@ -25,7 +25,7 @@ the positions of a cache retention never compacted).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -56,6 +56,15 @@ class PagedBatch:
     def width(self) -> int:
         return int(self.k_table.shape[1])
 
+    def with_window(self, window: int | None) -> PagedBatch:
+        """The batch for one layer's sliding window (None: this batch's); plans stay shared, keyed
+        by window."""
+        if window is None or window == self.window:
+            return self
+        if window < 1:
+            raise ValueError(f"a sliding window holds at least one slot, got {window}")
+        return replace(self, window=window)
+
     @classmethod
     def build(cls, k_tables: list[list[int]], v_tables: list[list[int]], seq_lens: list[int],
               q_lens: list[int], key_only: list[tuple[int, int]] | None, block_size: int,
@@ -80,7 +89,9 @@ class PagedKernel(Protocol):
     """One implementation of paged attention over a layer's pool (see the module docstring)."""
 
     def __call__(self, q: Tensor, pool: Tensor, batch: PagedBatch, side: Tensor | None = None,
-                 stand_in: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+                 stand_in: Tensor | None = None, scale: float | None = None,
+                 window: int | None = None) -> tuple[Tensor, Tensor]:
         """q [T, Hq, D], pool [NB, bs, Hkv, D], side [NS, bs, Hkv, D] or None, stand_in [N, Hkv, D]
-        or None -> (out [T, Hq, D] in q's dtype, lse [T, Hq] fp32)."""
+        or None, ``window``: this layer's sliding window (None: the batch's) -> (out [T, Hq, D] in
+        q's dtype, lse [T, Hq] fp32)."""
         ...

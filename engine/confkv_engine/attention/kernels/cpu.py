@@ -66,7 +66,7 @@ def _align(k_pieces: list[Piece], nb: int, has_side: bool, v_table: list[int], l
 def _plan(batch: PagedBatch, i: int, nb: int, has_side: bool) -> tuple[list[Piece], list[Piece]]:
     """Sequence ``i``'s K and V pieces before its own slots: the same in every layer, so computed
     once per step (kept in ``batch.memo``)."""
-    key = ("cpu", i, nb, has_side)
+    key = ("cpu", i, nb, has_side, batch.window)
     if key not in batch.memo:
         n, tq, bs = int(batch.seq_lens[i]), int(batch.q_len[i]), batch.block_size
         lo = 0 if batch.window is None else max(0, n - batch.window)
@@ -142,8 +142,9 @@ def _own(q: Tensor, pool: Tensor, side: Tensor | None, batch: PagedBatch, i: int
 
 def paged_attention_cpu(q: Tensor, pool: Tensor, batch: PagedBatch, side: Tensor | None = None,
                         stand_in: Tensor | None = None,
-                        scale: float | None = None) -> tuple[Tensor, Tensor]:
+                        scale: float | None = None, window: int | None = None) -> tuple[Tensor, Tensor]:
     """``PagedKernel`` on CPU: out [T, Hq, D] in q's dtype, lse [T, Hq] fp32."""
+    batch = batch.with_window(window)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     outs, lses = [], []
     for i in range(batch.num_seqs):

@@ -21,8 +21,9 @@ def read_slots(pool: Tensor, side: Tensor | None, table: Tensor, n: int) -> Tens
 
 def paged_attention_reference(q: Tensor, pool: Tensor, batch: PagedBatch, side: Tensor | None = None,
                               stand_in: Tensor | None = None,
-                              scale: float | None = None) -> tuple[Tensor, Tensor]:
+                              scale: float | None = None, window: int | None = None) -> tuple[Tensor, Tensor]:
     """``PagedKernel`` by gathering: out [T, Hq, D] in q's dtype, lse [T, Hq] fp32."""
+    batch = batch.with_window(window)
     t_all, hq, d = q.shape
     hkv = pool.shape[2]
     g = hq // hkv

@@ -161,8 +161,9 @@ def _splits(batch: PagedBatch, programs: int) -> int:
 
 def paged_attention_triton(q: Tensor, pool: Tensor, batch: PagedBatch, side: Tensor | None = None,
                            stand_in: Tensor | None = None,
-                           scale: float | None = None) -> tuple[Tensor, Tensor]:
+                           scale: float | None = None, window: int | None = None) -> tuple[Tensor, Tensor]:
     """``PagedKernel`` in Triton: out [T, Hq, D] in q's dtype, lse [T, Hq] fp32."""
+    batch = batch.with_window(window)
     t_all, hq, d = q.shape
     nb, bs, hkv, pd = pool.shape
     if pd != d or hq % hkv or pool.stride(-1) != 1 or q.stride(-1) != 1:
