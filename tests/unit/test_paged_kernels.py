@@ -139,20 +139,3 @@ def test_layer_window_overrides_the_batch(triton_kernel) -> None:
         assert (out - want_out).abs().max() <= 1e-3 and (lse - want_lse).abs().max() <= 1e-3
     full_out, _ = paged_attention_reference(q, pool, plain, side, stand)
     assert (full_out - want_out).abs().max() > 1e-2  # the window changes the result
-
-
-def test_cpu_kernel_reads_strided_block_runs() -> None:
-    """K and V blocks reserved in pairs (K ids every other block, as the engine's cache gives them)
-    are read as strided runs, attended a run at a time, and still equal the reference."""
-    gen = torch.Generator().manual_seed(6)
-    lens, q_lens = [16 * 9 + 5, 16 * 4, 33], [1, 1, 9]
-    pool = torch.randn(80, BS, 2, 64, generator=gen)
-    k_tables = [[2 * b for b in range(9, 19)], [41 + 3 * b for b in range(4)], [60, 62, 64]]
-    v_tables = [[2 * b + 1 for b in range(9, 19)], [42 + 3 * b for b in range(4)], [61, 63, 65]]
-    batch = PagedBatch.build(k_tables, v_tables, lens, q_lens, [(20, 50), (0, 0), (3, 10)], BS,
-                             torch.device("cpu"))
-    q = torch.randn(sum(q_lens), 6, 64, generator=gen)
-    stand = torch.randn(3, 2, 64, generator=gen)
-    want_out, want_lse = paged_attention_reference(q, pool, batch, None, stand)
-    out, lse = paged_attention_cpu(q, pool, batch, None, stand)
-    assert (out - want_out).abs().max() <= 1e-4 and (lse - want_lse).abs().max() <= 1e-4

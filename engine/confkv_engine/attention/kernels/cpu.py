@@ -16,7 +16,6 @@ window), since a banded causal pattern has no mask-free CPU kernel.
 from __future__ import annotations
 
 import math
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -25,90 +24,78 @@ from confkv_engine.attention import partial
 from confkv_engine.attention.kernels.batch import PagedBatch
 from confkv_engine.attention.kernels.reference import paged_attention_reference, read_slots
 
-# (K source, K block, K block stride, V source, V block, V block stride, first slot, slots): whole
-# blocks in arithmetic progression in both tables, or a part of one block.
-Piece = tuple[int, int, int, int, int, int, int, int]
-POOL, SIDE = 0, 1
+# (source: 0 pool, 1 side, 2 read into a small tensor; first flat slot in it; slots; 1 if KEY_ONLY)
+Piece = tuple[int, int, int, int]
+POOL, SIDE, READ = 0, 1, 2
 
 
-def _source(blk: int, nb: int, has_side: bool) -> tuple[int, int]:
-    return (SIDE, blk - nb) if blk >= nb and has_side else (POOL, blk)
-
-
-def _runs(k_table: list[int], v_table: list[int], a: int, b: int, bs: int, nb: int,
-          has_side: bool) -> list[Piece]:
-    """Slots ``[a, b)`` as pieces: the longest runs of whole blocks whose K ids and V ids each step by
-    a constant stride in one source (the engine reserves K and V blocks in pairs, so a chunk's K
-    blocks are every other pool block), and parts of a block at the ends."""
+def _pieces(nb: int, has_side: bool, table: list[int], lo: int, hi: int, ko: tuple[int, int],
+            bs: int) -> list[Piece]:
+    """Slots ``[lo, hi)`` of a table as runs of one source, cut at the KEY_ONLY bounds."""
+    cuts = sorted({lo, hi, *(c for c in (ko[0], ko[0] + ko[1]) if lo < c < hi)})
     out: list[Piece] = []
-    s = a
-    while s < b:
-        j = s // bs
-        ks, kb = _source(k_table[j], nb, has_side)
-        vs, vb = _source(v_table[j], nb, has_side)
-        if s % bs or b - s < bs:
-            end = min(b, (j + 1) * bs)
-            out.append((ks, kb, 1, vs, vb, 1, s, end - s))
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        kind = int(ko[1] > 0 and ko[0] <= a < ko[0] + ko[1])
+        s = a
+        while s < b:
+            blk = table[s // bs]
+            src, base = (SIDE, blk - nb) if blk >= nb and has_side else (POOL, blk)
+            run_end = (s // bs + 1) * bs
+            while run_end < b and table[run_end // bs] == table[run_end // bs - 1] + 1 and \
+                    (table[run_end // bs] >= nb) == (blk >= nb):
+                run_end += bs
+            end = min(run_end, b)
+            out.append((src, base * bs + s % bs, end - s, kind))
             s = end
-            continue
-        n, kst, vst = 1, 1, 1
-        while (j + n + 1) * bs <= b:
-            ks2, kb2 = _source(k_table[j + n], nb, has_side)
-            vs2, vb2 = _source(v_table[j + n], nb, has_side)
-            if n == 1:
-                kst, vst = kb2 - kb, vb2 - vb
-            if ks2 != ks or vs2 != vs or kst <= 0 or vst <= 0 or kb2 != kb + n * kst or vb2 != vb + n * vst:
-                kst, vst = (kst, vst) if n > 1 else (1, 1)
-                break
-            n += 1
-        out.append((ks, kb, kst, vs, vb, vst, s, n * bs))
-        s += n * bs
     return out
 
 
-def _plan(batch: PagedBatch, i: int, nb: int, has_side: bool) -> list[tuple[Piece, int]]:
-    """Sequence ``i``'s pieces before its own slots, each with 1 if KEY_ONLY: the same in every
-    layer, so computed once per step (kept in ``batch.memo``)."""
+def _align(k_pieces: list[Piece], nb: int, has_side: bool, v_table: list[int], lo: int,
+           bs: int) -> list[Piece]:
+    """V pieces cut at the K pieces' slots (the two tables' runs may differ); a K piece over two V
+    runs reads its values into a small tensor (``READ``; rare: K and V blocks are reserved in pairs)."""
+    out: list[Piece] = []
+    start = lo
+    for _, _, n, _ in k_pieces:
+        sub = _pieces(nb, has_side, v_table, start, start + n, (0, 0), bs)
+        out.append(sub[0] if len(sub) == 1 else (READ, start, n, 0))
+        start += n
+    return out
+
+
+def _plan(batch: PagedBatch, i: int, nb: int, has_side: bool) -> tuple[list[Piece], list[Piece]]:
+    """Sequence ``i``'s K and V pieces before its own slots: the same in every layer, so computed
+    once per step (kept in ``batch.memo``)."""
     key = ("cpu", i, nb, has_side, batch.window)
     if key not in batch.memo:
         n, tq, bs = int(batch.seq_lens[i]), int(batch.q_len[i]), batch.block_size
         lo = 0 if batch.window is None else max(0, n - batch.window)
-        hi = n - tq if tq > 1 else n  # a decode row sees its own slot like any cached one
+        old_end = n - tq if tq > 1 else n  # a decode row sees its own slot like any cached one
         ko = (int(batch.key_only[i, 0]), int(batch.key_only[i, 1]))
         k_table, v_table = batch.k_table[i].tolist(), batch.v_table[i].tolist()
-        cuts = sorted({lo, hi, *(c for c in (ko[0], ko[0] + ko[1]) if lo < c < hi)}) if hi > lo else []
-        batch.memo[key] = [(p, int(ko[1] > 0 and ko[0] <= a < ko[0] + ko[1]))
-                           for a, b in zip(cuts, cuts[1:], strict=False)
-                           for p in _runs(k_table, v_table, a, b, bs, nb, has_side)]
+        k_p = _pieces(nb, has_side, k_table, lo, old_end, ko, bs) if old_end > lo else []
+        batch.memo[key] = (k_p, _align(k_p, nb, has_side, v_table, lo, bs))
     return batch.memo[key]
 
 
-def _read(source: Tensor, block: int, stride: int, first: int, n: int, bs: int) -> Tensor:
-    """[nblk, Hkv, bs, D] (whole blocks ``block + k * stride``) or [1, Hkv, n, D] (part of a block):
-    views, no copy."""
-    if first % bs or n < bs:
-        return source[block, first % bs:first % bs + n].transpose(0, 1)[None]
-    st = source.stride()
-    blocks = source.as_strided((n // bs, *source.shape[1:]), (stride * st[0], *st[1:]),
-                               source.storage_offset() + block * st[0])
-    return blocks.transpose(1, 2)
+def _view(src: int, first: int, n: int, pool: Tensor, side: Tensor | None, table: Tensor) -> Tensor:
+    """A piece's slots [n, Hkv, D]: a view of the pool or side tensor, or (READ) a small copy."""
+    hkv, d = pool.shape[2], pool.shape[3]
+    if src == READ:
+        return read_slots(pool, side, table, first + n)[first:]
+    source = pool if src == POOL else side
+    assert source is not None
+    return source.view(-1, hkv, d)[first:first + n]
 
 
-def _attend_pieces(qg: Tensor, pieces: list[tuple[Piece, int]], pool: Tensor, side: Tensor | None,
-                   stand: Tensor | None, scale: float, bs: int) -> list[tuple[Tensor, Tensor]]:
-    """qg [1, Hkv, G*T, D] against each piece: (out [1, Hkv, G*T, D], lse [1, Hkv, G*T]). A run of
-    whole blocks is one batched call (one query copy per block, a broadcast view), its blocks
-    combined by log-sum-exp."""
-    sources = (pool, side)
+def _attend_pieces(qg: Tensor, pieces: tuple[list[Piece], list[Piece]], pool: Tensor, side: Tensor | None,
+                   v_table: Tensor, stand: Tensor | None, scale: float) -> list[tuple[Tensor, Tensor]]:
+    """qg [1, Hkv, G*T, D] against each piece: (out [1, Hkv, G*T, D], lse [1, Hkv, G*T])."""
     parts = []
-    for (ks, kb, kst, vs, vb, vst, first, n), kind in pieces:
-        keys = _read(cast(Tensor, sources[ks]), kb, kst, first, n, bs).to(qg.dtype)
-        vals = keys if kind else _read(cast(Tensor, sources[vs]), vb, vst, first, n, bs).to(qg.dtype)
-        out, lse = partial.attend_lse(qg.expand(keys.shape[0], -1, -1, -1), keys, vals, scale=scale)
-        if keys.shape[0] > 1:
-            total = torch.logsumexp(lse, 0, keepdim=True)
-            out = (torch.exp(lse - total)[..., None] * out).sum(0, keepdim=True).to(qg.dtype)
-            lse = total
+    for (ks, k0, n, kind), (vs, v0, _, _) in zip(*pieces, strict=True):
+        keys = _view(ks, k0, n, pool, side, v_table).transpose(0, 1)[None].to(qg.dtype)
+        vals = keys if kind else _view(vs, v0, n, pool, side, v_table).transpose(0, 1)[None].to(qg.dtype)
+        out, lse = partial.attend_lse(qg, keys, vals, scale=scale)
         if kind and stand is not None:
             out = stand.to(qg.dtype)[None, :, None, :].expand_as(out)
         parts.append((out, lse))
@@ -122,8 +109,8 @@ def _one(q: Tensor, pool: Tensor, side: Tensor | None, batch: PagedBatch, i: int
     tq = int(batch.q_len[i])
     g = q.shape[1] // hkv
     qg = q.view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * tq, d)
-    parts = _attend_pieces(qg, _plan(batch, i, pool.shape[0], side is not None), pool, side, stand, scale,
-                           batch.block_size)
+    parts = _attend_pieces(qg, _plan(batch, i, pool.shape[0], side is not None), pool, side,
+                           batch.v_table[i], stand, scale)
     if parts:
         merged = (partial.combine(parts) if len(parts) > 1 else parts[0][0],
                   torch.logsumexp(torch.stack([lse for _, lse in parts]), 0))
