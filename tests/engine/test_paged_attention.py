@@ -12,10 +12,10 @@ from confkv_engine.model.llama import dense_causal_attention
 L, HQ, HKV, D, BS = 2, 6, 2, 8, 4
 
 
-def _setup(num_blocks: int = 64) -> tuple[KVCache, PagedAttention]:
+def _setup(num_blocks: int = 64, in_place: bool = False) -> tuple[KVCache, PagedAttention]:
     spec = CacheSpec(L, HKV, D, BS, torch.float32, torch.device("cpu"))
     cache = KVCache(spec, num_blocks)
-    return cache, PagedAttention(cache, HQ)
+    return cache, PagedAttention(cache, HQ, in_place=in_place)
 
 
 def _step(cache, backend, seqs, num_new, history, gen):
@@ -44,9 +44,10 @@ def _step(cache, backend, seqs, num_new, history, gen):
     return results
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["gather", "in_place"])
 @pytest.mark.parametrize("order", ["decode_first", "mixed"])
-def test_mixed_prefill_and_decode_batch_matches_dense(order: str) -> None:
-    cache, backend = _setup()
+def test_mixed_prefill_and_decode_batch_matches_dense(order: str, in_place: bool) -> None:
+    cache, backend = _setup(in_place=in_place)
     gen = torch.Generator().manual_seed(0)
     seqs = [SeqKV() for _ in range(4)]
     history = [[([], []) for _ in range(L)] for _ in seqs]

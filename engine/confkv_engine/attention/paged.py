@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from confkv_engine.attention import partial
+from confkv_engine.attention.kernels import PagedBatch, PagedKernel, kernel_for
 from confkv_engine.cache.arena import GatherPlan
+from confkv_engine.cache.block_pool import is_compressed
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV, WritePlan
 from confkv_engine.cache.layout import as_stored
 
@@ -94,7 +96,12 @@ class DecodePlan:
 class PagedAttention:
     """``AttentionBackend`` over a ``KVCache``. Use: begin_step -> model.forward -> end_step."""
 
-    def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None) -> None:
+    def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None,
+                 in_place: bool | None = None) -> None:
+        """``max_gather_bytes``: one decode gather's bytes at most (None: unbounded). ``in_place``:
+        attend through the block tables with a paged kernel (``attention.kernels``) instead of
+        gathering (None: off until a GPU run has checked the compiled kernel). The gathering path
+        stays the reference the kernels are tested against."""
         self.cache = cache
         self.max_gather_bytes = max_gather_bytes  # one decode gather's bytes at most (None: unbounded)
         spec = cache.spec
@@ -104,6 +111,13 @@ class PagedAttention:
         self.split = partial.available(spec.device)  # part kernels with log-sum-exp exist here
         self._seqs: list[SeqKV] = []
         self._num_new: list[int] = []
+        # Opt-in everywhere until the compiled Triton kernel has run on a GPU (it is checked under
+        # TRITON_INTERPRET=1 only); on CPU the gather measured faster (docs/performance.md).
+        wanted = bool(in_place)
+        self.kernel: PagedKernel | None = (kernel_for(spec.device, spec.dtype, spec.block_size, spec.head_dim)
+                                           if wanted else None)
+        self.paged: PagedBatch | None = None
+        self._side: GatherPlan | None = None
 
     # ---- per-step metadata -------------------------------------------------------------------
     def begin_step(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> None:
@@ -121,6 +135,11 @@ class PagedAttention:
         # The engine puts decode rows first; otherwise fall back to an index.
         self.decode_rows: slice | Tensor = (
             slice(0, len(dec)) if dec_rows == list(range(len(dec))) else torch.tensor(dec_rows, device=dev))
+        self.offsets = offsets
+        if self.kernel is not None:
+            self.decode, self.prefills = [], []
+            self._begin_paged(seqs, num_new)
+            return
         self.decode: list[DecodePlan] = self._build_decode([seqs[i] for i in dec]) if dec else []
         self.prefills: list[PrefillPlan] = [
             self._build_prefill(i, seqs[i], n, slice(offsets[i], offsets[i + 1]))
@@ -168,6 +187,34 @@ class PagedAttention:
         visible = torch.arange(ctx, device=dev)[None, :] <= limit  # [T, ctx]
         return PrefillPlan(index, rows, table, ctx, cached, _Mask(visible.repeat(self.group, 1)[None, None]))
 
+    def _begin_paged(self, seqs: list[SeqKV], num_new: list[int]) -> None:
+        """The kernel's view of the step: tables with compressed entries renumbered into the side
+        tensor (the step's compressed blocks, decoded once per layer), no gather plan, no mask."""
+        nb = self.cache.kv.shape[1]
+        handles: dict[int, int] = {}
+        tables = []
+        for t in [s.k_blocks for s in seqs] + [s.v_blocks for s in seqs]:
+            tables.append([nb + handles.setdefault(b, len(handles)) if is_compressed(b) else b for b in t])
+        self._side = self.cache.gather_plan(list(handles)) if handles else None
+        lens = [s.num_slots + n for s, n in zip(seqs, num_new, strict=True)]
+        self.paged = PagedBatch.build(tables[:len(seqs)], tables[len(seqs):], lens, num_new,
+                                      self._key_only(), self.cache.spec.block_size, self.cache.kv.device)
+
+    def _key_only(self) -> list[tuple[int, int]] | None:
+        """Per sequence of the step, its KEY_ONLY slots (first, count); None: none anywhere."""
+        return None
+
+    def _stand_in(self, layer: int) -> Tensor | None:
+        """[N, Hkv, D] values standing in for each sequence's KEY_ONLY slots, or None."""
+        return None
+
+    def _attend_paged(self, layer: int, q: Tensor, window: int | None = None) -> Tensor:
+        """The step's rows through the kernel; ``window``: this layer's sliding window, in slots."""
+        side = None if self._side is None else self.cache.gather(layer, self._side)
+        out, _ = cast(PagedKernel, self.kernel)(q, self.cache.kv[layer], cast(PagedBatch, self.paged), side,
+                                                self._stand_in(layer), window=window)
+        return out
+
     def end_step(self) -> None:
         """Record the appended slots (after the forward pass succeeded)."""
         for s, n in zip(self._seqs, self._num_new, strict=True):
@@ -177,6 +224,8 @@ class PagedAttention:
     # ---- per layer -----------------------------------------------------------------------------
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         self.cache.write(layer, self.writes, k, v)  # cast to the pool's dtype (kvCacheDtype)
+        if self.paged is not None:
+            return self._attend_paged(layer, q, window)
         parts = []
         if self.decode:
             q_dec = q[self.decode_rows]

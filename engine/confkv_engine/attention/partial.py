@@ -25,9 +25,10 @@ def available(device: torch.device) -> bool:
 
 
 def attend_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-               causal: bool = False) -> tuple[Tensor, Tensor]:
-    """q [B, H, Tq, D], k/v [B, H, S, D] (any strides) -> (out [B, H, Tq, D], lse [B, H, Tq] fp32)."""
-    out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask)
+               causal: bool = False, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """q [B, H, Tq, D], k/v [B, H, S, D] (any strides) -> (out [B, H, Tq, D], lse [B, H, Tq] fp32).
+    ``scale`` multiplies the scores (default 1 / sqrt(D))."""
+    out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse
 
 

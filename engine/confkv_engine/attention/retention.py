@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from confkv_engine.attention.paged import DecodePlan, PagedAttention, PrefillPlan
@@ -51,15 +52,17 @@ class RetainedSequence(Protocol):
 
 
 class RetentionAttention(PagedAttention):
-    def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None) -> None:
-        super().__init__(cache, num_q_heads, max_gather_bytes)
+    def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None,
+                 in_place: bool | None = None) -> None:
+        super().__init__(cache, num_q_heads, max_gather_bytes, in_place)
         self._dec_states: list[RetainedSequence | None] = []
         self._states: list[RetainedSequence | None] = []
 
     def begin_step(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor,
                    states: list[RetainedSequence | None] | None = None) -> None:
-        super().begin_step(seqs, num_new, positions)
         states = states or [None] * len(seqs)
+        self._states = states  # read by _key_only while the step is planned
+        super().begin_step(seqs, num_new, positions)
         if any(st is not None for st in states):  # one read-back per step, and none without retention
             pos_cpu, start = positions.cpu(), 0
             for st, n in zip(states, num_new, strict=True):
@@ -74,6 +77,26 @@ class RetentionAttention(PagedAttention):
             if st is not None and st.wants_probs:
                 st.on_queries(layer, q[i:i + 1])
         return super()._attend_decode(layer, q, plan, window)
+
+    def _attend_paged(self, layer: int, q: Tensor, window: int | None = None) -> Tensor:
+        for i, st in enumerate(self._states):
+            if st is not None and st.wants_probs:
+                st.on_queries(layer, q[self.offsets[i]:self.offsets[i + 1]])
+        return super()._attend_paged(layer, q, window)
+
+    def _key_only(self) -> list[tuple[int, int]] | None:
+        spans = [(st.key_start, st.n_key) if st is not None and st.n_key else (0, 0) for st in self._states]
+        return spans if any(n for _, n in spans) else None
+
+    def _stand_in(self, layer: int) -> Tensor | None:
+        if not any(st is not None and st.n_key for st in self._states):
+            return None
+        spec = self.cache.spec
+        out = torch.zeros(len(self._states), spec.num_kv_heads, spec.head_dim, device=self.cache.kv.device)
+        for i, st in enumerate(self._states):
+            if st is not None and st.n_key:
+                out[i] = st.v_mean[layer].to(out)
+        return out
 
     def _attend_prefill(self, layer: int, p: PrefillPlan, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._record_prefill(layer, p, q)

@@ -1,0 +1,94 @@
+"""Decode step time of every policy, gathering attention against the in-place paged kernels, in one run.
+
+For each batch shape (``--shapes``, default 8 x 2,048 and 32 x 2,048 cached tokens) and each variant
+(``full``, ``streaming``, ``h2o``, ``conf-kv``, ``conf-kv+tiers``; the retained ones at f = 0.25 as
+``bench.quality.kv_scenarios``), the engine prefills the batch from real text (pydoc) and then times
+``--steps`` decode steps (median), once with the gathering path (``in_place=False``, the reference)
+and once with the paged kernel (``attention.kernels``; on CPU the view-based path). Ratios are to
+``full`` with the same attention path. SmolLM2-135M, fp32 cache, CPU.
+
+    python -m bench.micro.decode_step --threads 2 --shapes 8x2048,32x2048 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.quality.kv_scenarios import greedy, make_engine, variant_config
+from testkit.kv_runs import CHUNK, parse_args, pydoc_tokens
+
+VARIANTS = ("full", "streaming", "h2o", "conf-kv", "conf-kv+tiers")
+WARMUP = 2
+OUT = Path(__file__).resolve().parents[1] / "results" / "micro" / "decode_step.json"
+
+
+def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place: bool) -> float:
+    from confkv_engine.attention.retention import RetentionAttention
+    from confkv_engine.core.engine import LLMEngine
+
+    args = parse_args([])
+    tokens = pydoc_tokens(loaded.tokenizer)
+    probe = make_engine(loaded, variant_config("full", args))
+    blocks = batch * probe.cache.blocks_for_tokens(seq_len + steps + WARMUP + 2) + 8
+    base = make_engine(loaded, variant_config(variant, args), blocks=blocks, batched=batch * CHUNK)
+    parts = base.parts
+    backend = RetentionAttention(parts.cache, loaded.model.args.num_heads, in_place=in_place)
+    eng = LLMEngine(loaded, parts=dataclasses.replace(parts, backend=backend))
+    for i in range(batch):
+        start = (i * seq_len) % max(1, len(tokens) - seq_len)
+        eng.add_request(f"p{i}", tokens[start:start + seq_len], greedy(steps + WARMUP + 2))
+    while not all(s.num_computed >= s.prompt_len for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(WARMUP):
+        eng.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shapes", default="8x2048,32x2048", help="batch x cached tokens, comma separated")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    a = p.parse_args(argv)
+    from confkv_engine.model.loader import load_model
+
+    torch.set_num_threads(a.threads)
+    loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
+    loaded.model.eval()
+    rows = []
+    for shape in a.shapes.split(","):
+        batch, seq_len = (int(x) for x in shape.split("x"))
+        for variant in a.variants.split(","):
+            row = {"shape": shape, "variant": variant}
+            for path, in_place in (("gather_ms", False), ("in_place_ms", True)):
+                row[path] = step_ms(loaded, variant, batch, seq_len, a.steps, in_place)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for row in rows:
+        full = next(r for r in rows if r["shape"] == row["shape"] and r["variant"] == "full")
+        row["gather_vs_full"] = round(row["gather_ms"] / full["gather_ms"], 2)
+        row["in_place_vs_full"] = round(row["in_place_ms"] / full["in_place_ms"], 2)
+    print(f"{'shape':>8} {'variant':>14} {'gather ms':>10} {'x full':>7} {'in-place ms':>12} {'x full':>7}")
+    for r in rows:
+        print(f"{r['shape']:>8} {r['variant']:>14} {r['gather_ms']:>10} {r['gather_vs_full']:>7} "
+              f"{r['in_place_ms']:>12} {r['in_place_vs_full']:>7}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"threads": a.threads, "steps": a.steps, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
