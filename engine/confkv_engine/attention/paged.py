@@ -37,6 +37,7 @@ step's tokens are the sequences' new tokens flattened in the order given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
