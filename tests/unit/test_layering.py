@@ -35,8 +35,9 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"model", "cache", "cache.codec", "cache.disk", "attention", "retention"},
     "http": {"core", "cache"},
     "control": {"core", "cache"},
+    "parallel": {"model", "cache", "retention", "core"},
     "app": {"model", "cache", "cache.codec", "cache.disk", "attention", "retention", "core", "http",
-            "control"},
+            "control", "parallel"},
 }
 SUBROOMS = ("cache.codec", "cache.disk")
 

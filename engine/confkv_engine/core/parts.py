@@ -26,7 +26,6 @@ from confkv_engine.core.compression import CompressionControl
 from confkv_engine.core.memory_profile import plan_startup_memory
 from confkv_engine.core.scheduler import Scheduler
 from confkv_engine.model.compiled import compile_elementwise
-from confkv_engine.parallel.shard import local_heads
 from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import HeadShards, decision_interval
@@ -71,7 +70,8 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     this rank computes, which sizes the pool)."""
     eng, model = config.engine, loaded.model
     args = model.args
-    num_heads, num_kv_heads = local_heads(model)
+    attn = model.layers[0].self_attn  # this rank's heads: all of them, or its shard under tensor parallelism
+    num_heads, num_kv_heads = int(attn.nq), int(attn.nkv)
     max_model_len = int(getattr(loaded, "max_model_len", 0) or args.max_position_embeddings)
     if config.model.max_model_len:
         max_model_len = min(max_model_len, config.model.max_model_len)
