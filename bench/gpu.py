@@ -1,4 +1,4 @@
-"""One command that shows what the engine does on a GPU: four sections, one table, one JSON.
+"""One command that shows what the engine does on a GPU: five sections, one table, one JSON.
 
     python bench/gpu.py            # on one GPU (H200: the real shapes below), <= 8 minutes
     python bench/gpu.py --quick    # the same shapes, fewer levels and tokens, <= 3 minutes
@@ -15,6 +15,9 @@ c. the deployment guide's scenario on a random Qwen2.5-32B-shaped model: the pea
 d. the agent's NVML reading beside torch's view (allocated, the KV pool, the weights) at idle and
    under load, and whether the default VRAM alert (85%) would fire at idle, raw and as the agent
    reads it (the pool's reclaimable bytes taken off).
+e. tensor parallelism (``bench/tensor_parallel.py``): TP = 1 beside each ``--tp-degrees`` on
+   ``--tp-model`` in one run (tokens/s, per-rank KV bytes, greedy equal); a machine with fewer than
+   2 GPUs gets one row saying it was skipped and why.
 
 Random weights of real shapes are built on the device (nothing is downloaded). Imports only the
 engine's public entry points: ``LLMEngine``, ``SamplingParams``, the model class and ``build_model``,
@@ -248,7 +251,8 @@ def scenario(device: str, dtype: torch.dtype, p: dict[str, Any]) -> tuple[list[d
     return rows, memory
 
 
-def run(p: dict[str, Any], device: str, sections: str) -> dict[str, Any]:
+def run(p: dict[str, Any], device: str, sections: str, tp_model: str = "builtin:smollm2-135m",
+        tp_degrees: tuple[int, ...] = (3,)) -> dict[str, Any]:
     dtype = resolve_dtype("auto", device)
     out: dict[str, Any] = {"device": device, "dtype": str(dtype).removeprefix("torch."),
                            "torch": torch.__version__, "python": platform.python_version(), "profile": p}
@@ -265,7 +269,19 @@ def run(p: dict[str, Any], device: str, sections: str) -> dict[str, Any]:
         start = time.perf_counter()
         out["c"], out["d"] = scenario(device, dtype, p)
         out["c_seconds"] = time.perf_counter() - start
+    if "e" in sections:
+        out["e"] = tensor_parallel(tp_model, tp_degrees)
     return out
+
+
+def tensor_parallel(source: str, degrees: list[int]) -> list[dict[str, Any]]:
+    """Section e: TP = 1 beside each degree in one run (``bench/tensor_parallel.py``); on a machine
+    with fewer than 2 GPUs it returns one row saying it was skipped and why."""
+    try:
+        from bench.tensor_parallel import tp_section
+    except ImportError:  # run as a script (python bench/gpu.py): the sibling module
+        from tensor_parallel import tp_section  # type: ignore[no-redef]
+    return tp_section(source, degrees)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -282,6 +298,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"c  {row['policy']:<22} {row['generated']} tokens: "
                      f"peak KV {_size(row['peak_kv_bytes'])}, "
                      f"{row['concurrent_held']} such requests fit the pool")
+    for row in result.get("e", []):
+        lines.append(f"e  tensor parallel: {json.dumps(row, default=str)}")
     d = result.get("d", {})
     lines += [f"d  {line}" for line in d.get("plan", [])]
     for when in ("idle", "load"):
@@ -300,12 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--quick", action="store_true", help="the real shapes, fewer levels and tokens")
     size.add_argument("--tiny", action="store_true", help="tiny shapes (what the test suite runs on CPU)")
     parser.add_argument("--device", default="auto", help="auto (default), cuda or cpu")
-    parser.add_argument("--sections", default="abcd", help="which sections to run (default abcd)")
+    parser.add_argument("--sections", default="abcde",
+                        help="which sections to run (default abcde; e = tensor parallel, >= 2 GPUs)")
+    parser.add_argument("--tp-model", default="builtin:smollm2-135m",
+                        help="section e's model (a checkpoint: its heads must divide by each degree)")
+    parser.add_argument("--tp-degrees", default="3", help="section e's degrees, comma-separated (default 3)")
     parser.add_argument("--out", type=Path, help="JSON path (default bench/results/gpu[-quick|-tiny].json)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     name = "tiny" if args.tiny else "quick" if args.quick else "full"
-    result = run(PROFILES[name], device, args.sections)
+    degrees = tuple(int(d) for d in args.tp_degrees.split(","))
+    result = run(PROFILES[name], device, args.sections, args.tp_model, degrees)
     out = args.out or RESULTS / f"gpu{'' if name == 'full' else '-' + name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -36,4 +36,6 @@ def test_gpu_bench_tiny_runs_every_section_on_cpu(tmp_path: Path) -> None:
     for when in ("idle", "load"):
         assert d[when]["pool_bytes"] > 0 and d[when]["weights_bytes"] > 0 and d[when]["nvml"]
     assert d["load"]["pool_reclaimable_bytes"] < d["idle"]["pool_reclaimable_bytes"]  # the batch holds blocks
-    assert "c  full" in proc.stdout and "wrote" in proc.stdout
+    skipped = "needs at least 2 GPUs; this machine has 0"
+    assert result["e"] == [{"section": "tensor_parallel", "skipped": skipped}]
+    assert "c  full" in proc.stdout and "e  tensor parallel" in proc.stdout and "wrote" in proc.stdout
