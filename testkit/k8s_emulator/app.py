@@ -60,6 +60,12 @@ def _path_set(obj: Obj, path: str, value: Any) -> None:
     obj[last] = value
 
 
+def _list_body(target: routing.Target, items: list[dict[str, Any]], rv: int) -> dict[str, Any]:
+    """A ``<Kind>List`` as the API server answers a list (and a deletecollection)."""
+    return {"apiVersion": target.rtype.api_version(target.version), "kind": f"{target.rtype.kind}List",
+            "metadata": {"resourceVersion": str(rv)}, "items": items}
+
+
 class EmulatorApp:
     def __init__(self, store: Store, log: RequestLog) -> None:
         self.store = store
@@ -134,14 +140,7 @@ class EmulatorApp:
         items, rv = self._matching(request, target)
         if tables.wants_table(request.headers.get("Accept", "")):
             return _json(tables.table(target.rtype, items, rv))
-        return _json(
-            {
-                "apiVersion": target.rtype.api_version(target.version),
-                "kind": f"{target.rtype.kind}List",
-                "metadata": {"resourceVersion": str(rv)},
-                "items": items,
-            }
-        )
+        return _json(_list_body(target, items, rv))
 
     # ------------------------------------------------------------------ writes
     async def _do_create(self, request: web.Request, target: routing.Target) -> web.Response:
@@ -237,14 +236,7 @@ class EmulatorApp:
             except ApiError as exc:
                 if exc.code != 404:  # already gone through a cascade: fine
                     raise
-        return _json(
-            {
-                "apiVersion": target.rtype.api_version(target.version),
-                "kind": f"{target.rtype.kind}List",
-                "metadata": {"resourceVersion": str(rv)},
-                "items": items,
-            }
-        )
+        return _json(_list_body(target, items, rv))
 
     # ------------------------------------------------------------------ watch
     async def _do_watch(self, request: web.Request, target: routing.Target) -> web.StreamResponse:
