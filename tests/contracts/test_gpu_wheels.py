@@ -1,5 +1,5 @@
 """scripts/gpu-wheels.sh lists every third-party package the engine, agent and API import, except what
-the GPU image ships (torch, transformers and the packages transformers needs), so a GPU machine
+the GPU image ships (torch with Triton, transformers and the packages transformers needs), so a GPU machine
 without internet can install the rest from the folder. The download itself needs PyPI and is not
 run here (nothing downloads during tests); its measured size is in the script."""
 
@@ -12,7 +12,7 @@ import sys
 from contract_tools import REPO
 
 SCRIPT = REPO / "scripts" / "gpu-wheels.sh"
-IN_GPU_IMAGE = {"torch", "safetensors", "tokenizers", "jinja2"}  # torch and transformers' dependencies
+IN_GPU_IMAGE = {"torch", "triton", "safetensors", "tokenizers", "jinja2"}  # torch (with Triton), transformers
 NOT_SERVED = {"kubernetes"}  # the agent's Kubernetes events: not used by a single-machine GPU run
 IMPORT_TO_DIST = {"google": "protobuf", "grpc": "grpcio", "pynvml": "nvidia-ml-py",
                   "prometheus_client": "prometheus-client", "starlette": "fastapi"}
