@@ -19,3 +19,8 @@ def pytest_configure() -> None:
     except ImportError:  # tests that do not need torch still run
         return
     torch.set_num_threads(1)
+    # Triton reads TRITON_INTERPRET once, when triton.language is first imported (torch.compile's
+    # tests may import it long before the paged kernels' tests): without CUDA the kernels run under
+    # the interpreter, so it is on for the whole session. With CUDA the compiled kernel is tested.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
