@@ -120,9 +120,3 @@ def _linears(layer: nn.Module) -> list[nn.Module]:
     if attn.qkv_proj is not None or mlp.gate_up_proj is not None:
         return [attn.qkv_proj or attn.o_proj]
     return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-
-
-def local_heads(model: nn.Module) -> tuple[int, int]:
-    """(query heads, KV heads) this rank's attention layers compute (all of them at degree 1)."""
-    attn = model.layers[0].self_attn  # type: ignore[index]
-    return int(attn.nq), int(attn.nkv)
