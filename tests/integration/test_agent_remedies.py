@@ -234,7 +234,7 @@ def test_vram_breach_compresses_then_lowers_the_cache_size(small_cache: Engine, 
 
 
 # ---- (c) oomPerHour -> halveBatchSize, compress ------------------------------------------------
-OOM_EVERY = 12  # > a request's steps / 2: no request meets MAX_OOM_RETRIES injected OOMs
+OOM_EVERY = 12  # a request fails after 3 OOMs alone (36 passes), more than any request here runs
 OOM_PROMPTS = [[9000 + 50 * i + j for j in range(5 + i)] for i in range(6)]
 OOM_NEW = 12
 

@@ -15,10 +15,11 @@ rows that sample a token or need prompt logprobs; the sampling layer picks token
 them into text and finish reasons; the retention policy runs; outputs for sequences that
 progressed are returned.
 
-CUDA out-of-memory during a step is caught and counted; the step's sequences lose their cache
-and are requeued for recompute, and a sequence hit ``MAX_OOM_RETRIES`` times finishes with
-finish_reason 'error'. Tests drive that path on a CPU with ``core.faults`` (off unless the
-environment variable ``CONFKV_FAULT_OOM_EVERY`` is set; no config key can switch it on).
+CUDA out-of-memory during a step is caught and counted; the step is retried at once without the
+fewest sequences (the most recently admitted first, preempted for recompute), and only a sequence
+that runs out of memory alone ``MAX_OOM_RETRIES`` times finishes with finish_reason 'error'
+(``core.oom``). Tests drive that path on a CPU with ``core.faults`` (off unless one of its
+environment variables is set; no config key can switch it on).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from confkv_api.config import ConfKVConfig
 from confkv_engine.core import sampling
 from confkv_engine.core.engine_control import EngineControlSurface
 from confkv_engine.core.faults import OomFault
+from confkv_engine.core.oom import ALONE_ERROR, MAX_OOM_RETRIES, leavers
 from confkv_engine.core.outputs import RequestOutput
 from confkv_engine.core.parts import EngineParts, build_parts
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
@@ -40,7 +42,6 @@ from confkv_engine.core.sequence import SeqStatus, Sequence
 from confkv_engine.core.step_io import check_request, request_output, sample_step
 from confkv_engine.retention.policies import RetentionConfig
 
-MAX_OOM_RETRIES = 3
 # With nothing to step but requests waiting for disk read-backs, ``step`` waits this long at most
 # for one to land (it returns as soon as one does): no busy loop, and no wait on a lost read.
 DISK_WAIT_SECONDS = 0.05
@@ -72,7 +73,7 @@ class LLMEngine(EngineControlSurface):
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.num_finished = 0
-        self._oom_fault = OomFault.from_env()  # off unless CONFKV_FAULT_OOM_EVERY is set
+        self._oom_fault = OomFault.from_env()  # off unless a CONFKV_FAULT_OOM_* variable is set
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -117,12 +118,16 @@ class LLMEngine(EngineControlSurface):
         return outputs
 
     def _step_scheduled(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        try:
-            self._oom_fault.before_model()
-            results = self._run(scheduled)
-        except torch.OutOfMemoryError:
-            return self._recover_from_oom(scheduled)
+        outputs: list[RequestOutput] = []  # of sequences an OOM failed
+        while True:  # out of memory: retry at once with fewer sequences (``core.oom``)
+            try:
+                self._oom_fault.before_model(sum(n for _, n in scheduled))
+                results = self._run(scheduled)
+                break
+            except torch.OutOfMemoryError:
+                scheduled = self._recover_from_oom(scheduled, outputs)
+                if not scheduled:
+                    return outputs
         for seq, n in scheduled:
             self._advance(seq, n, results.get(seq))
             if seq.finished or seq.reported_tokens < len(seq.output_token_ids):
@@ -207,20 +212,26 @@ class LLMEngine(EngineControlSurface):
         if seq.kv.num_slots // self.cache.spec.block_size > len(seq.kv.block_keys):
             self.cache.register(seq.kv, seq.token_slice(0, seq.kv.num_slots))
 
-    def _recover_from_oom(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
-        """Drop the step's caches and recompute later; fail a sequence after repeated OOMs."""
+    def _recover_from_oom(self, scheduled: list[tuple[Sequence, int]],
+                          outputs: list[RequestOutput]) -> list[tuple[Sequence, int]]:
+        """Take the fewest sequences out of a step that ran out of memory (preempted, or failed with
+        an output in ``outputs`` after repeated OOMs alone); returns what the retry runs."""
         self.num_oom += 1
-        outputs = []
-        for seq, _ in reversed(scheduled):  # requeue_front reverses: keep the original order
-            seq.num_oom += 1
-            if seq.num_oom >= MAX_OOM_RETRIES:
-                self._finish(seq, "error", error="out of device memory")
-                outputs.append(self._output(seq))
-            else:
-                self.scheduler.requeue_front(seq)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return outputs
+        if len(scheduled) == 1:
+            seq = scheduled[0][0]
+            seq.num_oom += 1  # only an OOM alone counts towards failure
+            if seq.num_oom >= MAX_OOM_RETRIES:
+                self._finish(seq, "error", error=ALONE_ERROR)
+                outputs.append(self._output(seq))
+            else:
+                self.scheduler.preempt(seq)
+            return []
+        gone = leavers([s for s, _ in scheduled], self.scheduler.running)
+        for seq in gone:
+            self.scheduler.preempt(seq)
+        return [(s, n) for s, n in scheduled if not any(s is g for g in gone)]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, self.retention.usage(seq))

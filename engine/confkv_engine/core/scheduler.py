@@ -97,6 +97,12 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def preempt(self, seq: Sequence) -> None:
+        """``requeue_front``, counted as a preemption (for want of blocks, or out of device memory)."""
+        self.requeue_front(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks at once."""
         self._release(seq)
@@ -158,9 +164,7 @@ class Scheduler:
             unreserved = [s for s in later if id(s) not in promised]
             victim = unreserved[-1] if unreserved else later[-1]
             promised.pop(id(victim), None)
-            self.requeue_front(victim)
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
+            self.preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
