@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks
-from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV, resolve_cache_bytes
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
 
 
 def test_allocate_takes_head_and_free_appends_to_tail_in_order() -> None:
@@ -81,9 +81,6 @@ def test_block_bytes_and_budget_sizing() -> None:
     assert cache.num_blocks == 9  # the null block is the pool's tenth
     with pytest.raises(ValueError, match="maxCacheSize"):
         KVCache.from_budget(spec, 2 * spec.block_bytes)
-    assert resolve_cache_bytes(("bytes", 12345.0), torch.device("cpu")) == 12345
-    assert resolve_cache_bytes(None, torch.device("cpu")) == 1 << 30
-    assert 0 < resolve_cache_bytes(("fraction", 0.01), torch.device("cpu"))
 
 
 def test_live_resize_evicts_cached_blocks_first_and_never_takes_held_ones() -> None:

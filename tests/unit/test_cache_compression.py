@@ -14,6 +14,7 @@ from confkv_engine.attention.paged import PagedAttention
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.codec.blocks import decode_rows, encode_rows
 from confkv_engine.cache.kv_cache import CacheSpec, EvictionSink, KVCache, SeqKV
+from confkv_engine.cache.streams import PendingBytes
 from confkv_engine.cache.tiered import freeze_blocks, requantize_block, tier_pair_bytes
 from confkv_engine.core.compression import CompressionWorker
 
@@ -185,8 +186,8 @@ class SpillRecorder:
     def __init__(self) -> None:
         self.payloads: dict[bytes, bytes] = {}
 
-    def spill(self, entry, payload: bytes, uses: int) -> None:
-        self.payloads[entry.key] = payload
+    def spill(self, entry, payload: PendingBytes, uses: int) -> None:
+        self.payloads[entry.key] = payload.bytes()
 
 
 def test_prefix_hit_and_eviction_of_compressed_cached_entries() -> None:

@@ -5,7 +5,6 @@ retention policy that brings its own budget."""
 
 from __future__ import annotations
 
-import logging
 import socket
 import subprocess
 import sys
@@ -24,7 +23,10 @@ from confkv_api.config import (
     parse_size,
 )
 from confkv_engine.cache import layout
-from confkv_engine.cache.kv_cache import CPU_AVAILABLE_CAP, CacheSpec, KVCache, resolve_cache_bytes
+from confkv_engine.cache.kv_cache import CacheSpec, KVCache
+from confkv_engine.cache.layout import CPU_AVAILABLE_CAP
+from confkv_engine.cache.memory import device_figures
+from confkv_engine.cache.planner import plan_memory
 from confkv_engine.control.policy import MAX_PATCH_DEPTH, PolicyInvalid, PolicyStore, parse_patch
 from confkv_engine.retention.manager import RetentionManager
 from confkv_engine.retention.policies import RetentionConfig
@@ -87,15 +89,13 @@ def test_the_command_line_exits_2_before_anything_loads(argv: list[str], needle:
     assert needle in out.stderr
 
 
-def test_a_cache_larger_than_the_machine_is_capped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="confkv.cache"):
-        got = resolve_cache_bytes(parse_size("100Ti"), torch.device("cpu"))
-    assert 0 < got <= CPU_AVAILABLE_CAP * psutil.virtual_memory().total
-    assert got < 100 * 2**40
-    assert "capped" in caplog.text
-    caplog.clear()
-    assert resolve_cache_bytes(("bytes", 12345.0), torch.device("cpu")) == 12345  # fits: as given
-    assert "capped" not in caplog.text
+def test_a_cache_larger_than_the_machine_is_capped_and_the_plan_says_so() -> None:
+    figures = device_figures("cpu", 0)  # this machine's RAM, read now
+    plan = plan_memory(parse_size("100Ti"), figures, 0, 0)
+    assert 0 < plan.pool_bytes <= CPU_AVAILABLE_CAP * psutil.virtual_memory().total
+    assert plan.capped_by and "capped" in "\n".join(plan.lines())
+    small = plan_memory(("bytes", 12345.0), figures, 0, 0)
+    assert small.pool_bytes == 12345 and small.capped_by is None  # fits: as given
 
 
 def test_in_a_container_the_cap_is_of_what_its_memory_cgroup_allows(tmp_path: Path,
@@ -104,7 +104,7 @@ def test_in_a_container_the_cap_is_of_what_its_memory_cgroup_allows(tmp_path: Pa
     (tmp_path / "memory.current").write_text(f"{2**30}\n")
     monkeypatch.setattr(layout, "_CGROUP_MEMORY_FILES",
                         ((str(tmp_path / "memory.max"), str(tmp_path / "memory.current")),))
-    assert resolve_cache_bytes(parse_size("100Ti"), torch.device("cpu")) <= CPU_AVAILABLE_CAP * 2**30
+    assert device_figures("cpu", 0).free_bytes <= CPU_AVAILABLE_CAP * 2**30
     assert layout._cgroup_headroom() == 2**30
     (tmp_path / "memory.max").write_text("max\n")  # an unlimited cgroup leaves the RAM cap alone
     assert layout._cgroup_headroom() is None

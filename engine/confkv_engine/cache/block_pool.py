@@ -34,6 +34,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
+        self._gen = [0] * num_blocks  # allocations of each id so far (``generation``)
 
     @property
     def num_free(self) -> int:
@@ -59,6 +60,7 @@ class BlockPool:
         ids = [self._free.popleft() for _ in range(n)]
         for b in ids:
             self._ref[b] = 1
+            self._gen[b] += 1
         return ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -83,10 +85,16 @@ class BlockPool:
             raise ValueError(f"a block pool cannot grow from {self.num_blocks} to {num_blocks} blocks")
         self._free.extend(range(self.num_blocks, num_blocks))
         self._ref.extend([0] * (num_blocks - self.num_blocks))
+        self._gen.extend([0] * (num_blocks - self.num_blocks))
         self.num_blocks = num_blocks
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
+
+    def generation(self, block_id: int) -> int:
+        """How many times the id was allocated: work done on a block outside the lock (compression's
+        encode) checks it is still the same allocation before it swaps anything in."""
+        return self._gen[block_id]
 
     def free_block_ids(self) -> list[int]:
         """The free queue, head first (for tests and debugging)."""

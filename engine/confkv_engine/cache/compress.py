@@ -1,4 +1,5 @@
-"""Choosing and compressing KV blocks: the procedures behind ``KVCache.compress_cold`` / ``compress_tables``.
+"""Choosing and compressing KV blocks: the procedures behind ``KVCache.compress_cold`` / ``compress_tables``
+and the three phases the background worker runs them in.
 
 A pool block is compressed only when every one of its references is known and rewritten at once
 (table entries of the given sequences, and the prefix entry that holds it): its reference count
@@ -6,6 +7,16 @@ must equal that number, otherwise someone else (a sequence not listed) still rea
 it is left alone. Compressing a block encodes it (a copy), frees the pool block, then writes the
 encoding into an arena slot; the pool block is freed *before* the arena asks for a host, so an
 arena's growth is served by the block just freed and compression never evicts a cached entry.
+
+**Three phases, so encoding never holds the engine lock.** ``select_cold`` / ``select_tables`` (under
+the lock, between two steps) choose the blocks and snapshot them: a copy of each block and of a K
+block's positions, on a side stream after a fence on CUDA (``streams``), so a later step may free or
+rewrite the block meanwhile. ``encode_jobs`` (no lock; the expensive part) encodes the snapshots on
+the side stream. ``install_jobs`` (under the lock again) swaps the table and prefix entries of every
+block that is still what was chosen: the same allocation (``BlockPool.generation``), the same
+reference count, the same holders at the same table indices, the same prefix entry. A block freed,
+reused, compressed by someone else or shared anew meanwhile is left as it is and its encoding is
+discarded (counted in ``CompressResult.discarded``), so a reader never sees another block's codes.
 
 K blocks are compressed only when their slots hold consecutive positions in every (layer, head):
 that is true of full blocks of requests without retention and of prefix entries, and it means a
@@ -23,9 +34,10 @@ the codec as before.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import Tensor
 
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.block_pool import is_compressed
@@ -34,8 +46,31 @@ from confkv_engine.cache.codec.spec import CodecSpec
 from confkv_engine.cache.layout import CompressResult, SeqKV
 from confkv_engine.cache.owner import BlockOwner as KVCache
 from confkv_engine.cache.prefix import CachedBlock
+from confkv_engine.cache.streams import Event, SideStream
 
-Holder = tuple[list[int], int]  # (a block table, index in it)
+Holder = tuple[SeqKV, str, int]  # (a sequence, its table "k" or "v", index in it)
+
+
+@dataclass
+class EncodeJob:
+    """One pool block chosen for compression: who references it, its snapshot, then its encoding."""
+
+    kind: str  # "k" or "v"
+    block: int
+    generation: int  # the pool's allocation of ``block`` when chosen
+    holders: list[Holder]
+    entry_key: bytes | None  # the prefix entry holding it
+    spec: CodecSpec
+    side: SideStream = field(default_factory=SideStream)
+    data: Tensor | None = None  # snapshot [L, bs, Hkv, D]
+    positions: Tensor | None = None  # a K block's snapshot [L, bs, Hkv]
+    rows: Tensor | None = None  # the encoding, once made
+    first_pos: int | None = None
+    done: Event | None = None  # the side stream's event after the snapshot, then after the encode
+
+    @property
+    def refs(self) -> int:
+        return len(self.holders) + (self.entry_key is not None)
 
 
 def _specs(cache: KVCache, bits: int, group: int) -> tuple[CodecSpec, CodecSpec]:
@@ -44,86 +79,175 @@ def _specs(cache: KVCache, bits: int, group: int) -> tuple[CodecSpec, CodecSpec]
                         cache.kv.element_size())
 
 
-def compress_cold_entries(cache: KVCache, bits: int, group: int, cold_after: float,
-                          limit: int, now: float) -> CompressResult:
-    specs, used = _specs(cache, bits, group), cache.pool.num_used
-    done = 0
-    while done < limit:
+def select_cold(cache: KVCache, bits: int, group: int, cold_after: float, limit: int,
+                now: float) -> list[EncodeJob]:
+    """Phase 1 (under the lock): blocks of evictable prefix entries unused for ``cold_after`` seconds,
+    the longest unused first, at most ``limit`` (one over when an entry's second block is the
+    last), snapshotted."""
+    specs, jobs = _specs(cache, bits, group), []
+    while len(jobs) < limit:
         key = cache.pop_cold(now - cold_after)  # oldest first: None when the rest came later
         if key is None:
             break
         entry = cache.prefix.get(key) if cache.prefix is not None else None
         if entry is None:
             continue
-        for kind in ("k", "v"):
-            entry = cache.prefix.get(key)
-            block = entry.k_block if kind == "k" else entry.v_block
-            done += compress_block(cache, kind, block, [], entry, specs[kind == "v"])
-    return _result(cache, done, used)
+        for kind, block in (("k", entry.k_block), ("v", entry.v_block)):
+            job = _choose(cache, kind, block, [], key, specs[kind == "v"])
+            if job is not None:
+                jobs.append(job)
+    return _snapshot(cache, jobs)
 
 
-def compress_seq_blocks(cache: KVCache, seqs: list[SeqKV], eligible: list[int], bits: int,
-                        group: int, limit: int) -> CompressResult:
-    specs, used = _specs(cache, bits, group), cache.pool.num_used
+def select_tables(cache: KVCache, seqs: list[SeqKV], eligible: list[int], bits: int, group: int,
+                  limit: int) -> list[EncodeJob]:
+    """Phase 1 (under the lock): blocks ``[0, eligible[i])`` of ``seqs[i]`` (K and V tables), at most
+    ``limit``, snapshotted (see ``KVCache.compress_tables``)."""
+    specs = _specs(cache, bits, group)
     holders: dict[int, list[Holder]] = {}
     entry_keys: dict[int, bytes] = {}  # pool block -> key of the prefix entry holding it
     for s in seqs:
-        for table in (s.k_blocks, s.v_blocks):
+        for kind, table in (("k", s.k_blocks), ("v", s.v_blocks)):
             for i, b in enumerate(table):
-                holders.setdefault(b, []).append((table, i))
+                holders.setdefault(b, []).append((s, kind, i))
         for key in s.block_keys:
             entry = cache.prefix.get(key) if cache.prefix is not None else None
             if entry is not None:
                 entry_keys[entry.k_block] = entry_keys[entry.v_block] = key
-    done = 0
+    jobs: list[EncodeJob] = []
+    seen: set[int] = set()
     for s, n in zip(seqs, eligible, strict=True):
         for i in range(min(n, len(s.k_blocks))):
-            for kind, table in (("k", s.k_blocks), ("v", s.v_blocks)):
-                if done >= limit:
-                    return _result(cache, done, used)
-                b = table[i]
+            for kind, b in (("k", s.k_blocks[i]), ("v", s.v_blocks[i])):
+                if len(jobs) >= limit:
+                    return _snapshot(cache, jobs)
+                if b in seen:
+                    continue
+                seen.add(b)
                 key = entry_keys.get(b)
-                entry = cache.prefix.get(key) if key is not None and cache.prefix is not None else None
-                if entry is not None and b != (entry.k_block if kind == "k" else entry.v_block):
-                    entry = None
-                done += compress_block(cache, kind, b, holders.get(b, []), entry, specs[kind == "v"])
-    return _result(cache, done, used)
+                if key is not None and _entry_block(cache, key, kind) != b:
+                    key = None
+                job = _choose(cache, kind, b, holders.get(b, []), key, specs[kind == "v"])
+                if job is not None:
+                    jobs.append(job)
+    return _snapshot(cache, jobs)
 
 
-def compress_block(cache: KVCache, kind: str, block: int, holders: list[Holder],
-                   entry: CachedBlock | None, spec: CodecSpec) -> int:
-    """Compress pool block ``block`` (``kind`` "k" or "v"), referenced by ``holders`` and ``entry`` (its
-    prefix entry, if any); returns 1 when it was compressed, 0 when it is left as it is."""
-    refs = len(holders) + (entry is not None)
-    if is_compressed(block) or block == cache.null_block or refs == 0 or cache.pool.ref_count(block) != refs:
-        return 0
+def _entry_block(cache: KVCache, key: bytes, kind: str) -> int | None:
+    """The ``kind`` block of the prefix entry ``key`` now; None when the index has no such entry."""
+    entry = cache.prefix.get(key) if cache.prefix is not None else None
+    if entry is None:
+        return None
+    return entry.k_block if kind == "k" else entry.v_block
+
+
+def _choose(cache: KVCache, kind: str, block: int, holders: list[Holder], key: bytes | None,
+            spec: CodecSpec) -> EncodeJob | None:
+    """A job for ``block`` when compressing it can be done and gains something; else None."""
+    job = EncodeJob(kind, block, 0, holders, key, spec)
+    if is_compressed(block) or block == cache.null_block or job.refs == 0:
+        return None
+    if cache.pool.ref_count(block) != job.refs:
+        return None
     if spec.nbytes >= cache.store.host_bytes:  # e.g. int8 codes of an fp8 pool: nothing to gain
-        return 0
+        return None
     if cache.kv.dtype == torch.int8:  # its blocks are codes already (their scales live beside them)
-        return 0
-    first_pos = _consecutive_start(cache, block) if kind == "k" else None
-    if kind == "k" and first_pos is None:
-        return 0
-    try:
-        rows = encode_rows(cache.kv[:, block], spec)  # a copy: the pool block may be reused below
-    except ValueError:
-        return 0
-    cache.free_blocks([block] * refs)
-    handle = cache.store.put(rows, spec, refs, first_pos, lambda: cache.take_blocks(1)[0])
-    for table, i in holders:
-        table[i] = handle
+        return None
+    job.generation = cache.pool.generation(block)
+    return job
+
+
+def _snapshot(cache: KVCache, jobs: list[EncodeJob]) -> list[EncodeJob]:
+    """Copy every chosen block (and a K block's positions) on a compression stream after a fence;
+    the compute stream waits for the copies before it may rewrite the blocks."""
+    streams, bs = cache.streams, cache.spec.block_size
+    fence = streams.fence()
+    for job in jobs:
+        job.side = streams.for_compression()
+        job.side.wait(fence)
+        with job.side.running():
+            job.data = cache.kv[:, job.block].clone()
+            if job.kind == "k":
+                job.positions = cache.pos[:, job.block * bs:(job.block + 1) * bs, :].clone()
+        job.done = job.side.record()
+        streams.hand_over(job.done)
+    return jobs
+
+
+def encode_jobs(jobs: list[EncodeJob]) -> list[EncodeJob]:
+    """Phase 2 (no lock, any thread): encode the snapshots on their side streams. A K block whose
+    positions are not consecutive, or a block the codec refuses, gets no encoding."""
+    for job in jobs:
+        if job.data is None:
+            continue
+        with job.side.running():
+            job.first_pos = _consecutive_start(job.positions) if job.kind == "k" else None
+            if job.kind != "k" or job.first_pos is not None:
+                try:
+                    job.rows = encode_rows(job.data, job.spec)
+                except ValueError:
+                    job.rows = None
+        job.data = job.positions = None
+        job.done = job.side.record()
+    return jobs
+
+
+def install_jobs(cache: KVCache, jobs: list[EncodeJob]) -> CompressResult:
+    """Phase 3 (under the lock): swap in the encodings of the blocks still as chosen (see the module
+    doc); the others are discarded."""
+    used, done, discarded = cache.pool.num_used, 0, 0
+    for job in jobs:
+        if job.rows is None:
+            continue
+        if not _still_chosen(cache, job):
+            discarded += 1
+            continue
+        cache.streams.hand_over(job.done, job.rows)
+        _swap(cache, job)
+        done += 1
+    result = _result(cache, done, used)
+    result.discarded = discarded
+    return result
+
+
+def _still_chosen(cache: KVCache, job: EncodeJob) -> bool:
+    b = job.block
+    if cache.pool.generation(b) != job.generation or cache.pool.ref_count(b) != job.refs:
+        return False
+    for seq, kind, i in job.holders:
+        table = seq.k_blocks if kind == "k" else seq.v_blocks
+        if i >= len(table) or table[i] != b:
+            return False
+    return job.entry_key is None or _entry_block(cache, job.entry_key, job.kind) == b
+
+
+def _swap(cache: KVCache, job: EncodeJob) -> None:
+    """Free the pool block, store its encoding, point every holder at the new handle."""
+    assert job.rows is not None
+    cache.free_blocks([job.block] * job.refs)
+    handle = cache.store.put(job.rows, job.spec, job.refs, job.first_pos, lambda: cache.take_blocks(1)[0])
+    for seq, kind, i in job.holders:
+        (seq.k_blocks if kind == "k" else seq.v_blocks)[i] = handle
+    key, prefix = job.entry_key, cache.prefix
+    entry = prefix.get(key) if key is not None and prefix is not None else None
     if entry is not None:
-        updated = replace(entry, k_block=handle) if kind == "k" else replace(entry, v_block=handle)
+        updated = replace(entry, k_block=handle) if job.kind == "k" else replace(entry, v_block=handle)
         cache.prefix.replace(updated)
         if entry.key in cache.eviction:  # still evictable: now through its compressed copy
             cache.count_idle_handle(handle)
-    return 1
 
 
-def _consecutive_start(cache: KVCache, block: int) -> int | None:
-    """The first position of a block whose slots hold ``p, p+1, ...`` in every (layer, head), else None."""
-    bs = cache.spec.block_size
-    pos = cache.pos[:, block * bs:(block + 1) * bs, :]
+def compress_now(cache: KVCache, jobs: list[EncodeJob]) -> CompressResult:
+    """All three phases at once (the caller holds whatever lock it needs)."""
+    return install_jobs(cache, encode_jobs(jobs))
+
+
+def _consecutive_start(pos: Tensor | None) -> int | None:
+    """The first position of a K block whose slots (``pos`` [L, bs, Hkv]) hold ``p, p+1, ...`` in every
+    (layer, head), else None."""
+    if pos is None:
+        return None
+    bs = pos.shape[1]
     first = int(pos[0, 0, 0])
     expected = torch.arange(first, first + bs, dtype=pos.dtype, device=pos.device)[None, :, None]
     return first if first >= 0 and bool((pos == expected).all()) else None

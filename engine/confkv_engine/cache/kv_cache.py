@@ -52,45 +52,47 @@ from torch import Tensor
 
 from confkv_engine.cache.arena import CompressedStore, GatherPlan
 from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks, is_compressed
-from confkv_engine.cache.compress import compress_cold_entries, compress_seq_blocks, promote_entry
+from confkv_engine.cache.compress import compress_now, promote_entry, select_cold, select_tables
 from confkv_engine.cache.eviction import LRUK
 from confkv_engine.cache.layout import (
-    CPU_AVAILABLE_CAP,
-    DEFAULT_CPU_CACHE_BYTES,
     CacheSpec,
     CompressResult,
     SeqKV,
     WritePlan,
-    resolve_cache_bytes,
 )
 from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
 from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad, PrefixHit, chain_links
 from confkv_engine.cache.rewrite import rewrite_seq
 from confkv_engine.cache.storage import DeviceKV
+from confkv_engine.cache.streams import CacheStreams, PendingBytes, copy_to_host
 
-__all__ = ["CPU_AVAILABLE_CAP", "DEFAULT_CPU_CACHE_BYTES", "CacheSpec", "CompressResult", "EvictionSink",
-           "KVCache", "PrefixHit", "SeqKV", "WritePlan", "resolve_cache_bytes"]
+__all__ = ["CacheSpec", "CompressResult", "EvictionSink", "KVCache", "PrefixHit", "SeqKV", "WritePlan"]
 
 
 class EvictionSink(Protocol):
     """Where evicted prefix blocks go and come back from (``disk.sink.DiskSink``); must not block long."""
 
-    def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None: ...
+    def spill(self, entry: CachedBlock, payload: PendingBytes, uses: int) -> None:
+        """Keep ``payload.bytes()`` (read them off the engine thread: on CUDA they are in flight)."""
+        ...
 
     def start_load(self, links: list[ChainLink], shape: tuple[int, ...], dtype: torch.dtype,
-                   scale_shape: tuple[int, ...] | None = None) -> ChainLoad | None:
+                   scale_shape: tuple[int, ...] | None = None, pin: bool = False) -> ChainLoad | None:
         """Start reading ``links`` back off the engine thread (``readback``); None: nothing to read."""
         ...
 
 
 class KVCache:
     def __init__(self, spec: CacheSpec, num_blocks: int, prefix_salt: bytes | None = None,
-                 eviction_k: int = 2, sink: EvictionSink | None = None, chain_history: bool = True) -> None:
+                 eviction_k: int = 2, sink: EvictionSink | None = None, chain_history: bool = True,
+                 streams: CacheStreams | None = None) -> None:
         """``prefix_salt``: None turns the prefix cache off; else it names what changes stored K/V
         besides the tokens (model, dtype), so two models never share an entry. ``sink``: where
         evicted prefix blocks go (the disk store), None for none. ``chain_history`` False: the
-        paper's LRU-K, without the chain history new blocks otherwise inherit (a benchmark peer)."""
+        paper's LRU-K, without the chain history new blocks otherwise inherit (a benchmark peer).
+        ``streams``: the side streams cache work runs on (``streams``; None: none, as on CPU)."""
         self.spec = spec
+        self.streams = streams or CacheStreams.none()
         self.pool = BlockPool(num_blocks)
         # The stored bytes depend on the storage dtype and, when it differs, on the dtype K/V were
         # computed in (a bf16 pool of an fp32 model holds other values than one of a bf16 model).
@@ -112,13 +114,14 @@ class KVCache:
 
     @classmethod
     def from_budget(cls, spec: CacheSpec, budget_bytes: int, prefix_salt: bytes | None = None,
-                    eviction_k: int = 2, sink: EvictionSink | None = None) -> KVCache:
+                    eviction_k: int = 2, sink: EvictionSink | None = None,
+                    streams: CacheStreams | None = None) -> KVCache:
         num_blocks = budget_bytes // spec.block_bytes
         if num_blocks < 3:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes holds {num_blocks} blocks of "
                 f"{spec.block_bytes} bytes; at least 3 are needed (raise maxCacheSize)")
-        return cls(spec, int(num_blocks), prefix_salt, eviction_k, sink)
+        return cls(spec, int(num_blocks), prefix_salt, eviction_k, sink, streams=streams)
 
     # ---- the device tensors (``storage.DeviceKV``; growth swaps them, so they are read through) ----
     @property
@@ -280,7 +283,7 @@ class KVCache:
         self._set_idle(entry, -1)
         self._cold.pop(key, None)
         if self.sink is not None:  # the disk store decides whether the block deserves the disk
-            self.sink.spill(entry, self.entry_payload(entry), self.eviction.uses(key))
+            self.sink.spill(entry, self.spill_payload(entry), self.eviction.uses(key))
         self.free_blocks([entry.k_block, entry.v_block])
         self.eviction.forget(key)
 
@@ -333,7 +336,8 @@ class KVCache:
                             spec.block_size, self.prefix)
         shape = (2, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
         scale_shape = None if self.scale is None else shape[:-1]
-        return self.sink.start_load(links, shape, spec.dtype, scale_shape)
+        pin = self.streams.compute is not None  # a CUDA pool: decode into pinned memory
+        return self.sink.start_load(links, shape, spec.dtype, scale_shape, pin)
 
     def install_load(self, load: ChainLoad) -> int:
         """Insert a finished load's blocks as evictable cached entries, in chain order, up to the first
@@ -398,12 +402,18 @@ class KVCache:
 
     def entry_payload(self, entry: CachedBlock) -> bytes:
         """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
+        return self.spill_payload(entry).bytes()
+
+    def spill_payload(self, entry: CachedBlock) -> PendingBytes:
+        """``entry_payload``'s bytes, copied off the device on the spill stream (``streams``)."""
         blocks = (entry.k_block, entry.v_block)
-        pair = [self.store.block_data(b).contiguous().view(torch.uint8) for b in blocks]
-        payload = torch.stack(pair).cpu().numpy().tobytes()
-        if self.scale is not None:  # then the blocks' scales, [L, bs, Hkv] fp16 each
-            payload += b"".join(self.storage.block_scales(b).cpu().numpy().tobytes() for b in blocks)
-        return payload
+
+        def parts() -> list[Tensor]:
+            data = [self.store.block_data(b) for b in blocks]
+            if self.scale is not None:  # then the blocks' scales, [L, bs, Hkv] fp16 each
+                data += [self.storage.block_scales(b) for b in blocks]
+            return data
+        return copy_to_host(self.streams, self.streams.spill, parts)
 
     def _insert_pair(self, link: ChainLink, load: ChainLoad) -> bool:
         """One loaded block pair as an evictable entry; False when it was not loaded or no block is free."""
@@ -412,8 +422,12 @@ class KVCache:
             return False
         k_block, v_block = self.take_blocks(2)
         data, scales = pair
-        for i, b in enumerate((k_block, v_block)):
-            self.storage.set_block(b, data[i], None if scales is None else scales[i])
+        side = self.streams.readback  # host-to-device on the read-back stream, then the compute one waits
+        side.wait(self.streams.fence())
+        with side.running():
+            for i, b in enumerate((k_block, v_block)):
+                self.storage.set_block(b, data[i], None if scales is None else scales[i])
+        self.streams.hand_over(side.record())
         entry = CachedBlock(link.key, link.parent, link.tokens, k_block, v_block)
         self.prefix.insert(entry)
         self.eviction.touch(link.key, self._clock, link.parent)
@@ -426,7 +440,7 @@ class KVCache:
             return 0
         entries = self.prefix.entries()
         for entry in entries:
-            self.sink.spill(entry, self.entry_payload(entry), self.eviction.uses(entry.key))
+            self.sink.spill(entry, self.spill_payload(entry), self.eviction.uses(entry.key))
         return len(entries)
 
     # ---- compression (``cache.compress``; ``store`` counts them and their bytes) -------------
@@ -434,15 +448,15 @@ class KVCache:
                       now: float | None = None) -> CompressResult:
         """Compress up to ``limit`` blocks of evictable prefix entries unused for ``cold_after``
         seconds, the longest unused first."""
-        return compress_cold_entries(self, bits, group, cold_after, limit,
-                                     time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        return compress_now(self, select_cold(self, bits, group, cold_after, limit, now))
 
     def compress_tables(self, seqs: list[SeqKV], eligible: list[int], bits: int, group: int,
                         limit: int) -> CompressResult:
         """Compress blocks ``[0, eligible[i])`` of ``seqs[i]`` (K and V tables), at most ``limit``.
         ``seqs`` must list every sequence holding blocks: a block is compressed only when its
         holders there plus the prefix index account for all its references."""
-        return compress_seq_blocks(self, seqs, eligible, bits, group, limit)
+        return compress_now(self, select_tables(self, seqs, eligible, bits, group, limit))
 
     def set_eviction_k(self, k: int) -> None:
         """Live LRU-K change: cached blocks and their history stay."""

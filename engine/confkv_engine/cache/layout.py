@@ -14,10 +14,8 @@ from torch import Tensor
 
 log = logging.getLogger("confkv.cache")
 
-DEFAULT_CPU_CACHE_BYTES = 1 << 30
-# On CPU the pool never takes more than half of the RAM available when the engine starts (a
-# fraction such as "80%" is of total RAM, then capped): the model, activations and the OS need
-# the rest. On CUDA it never takes more than 90% of the memory free after the model loaded.
+# ``machine_cap``: on CPU a pool never takes more than half of the RAM available now (the model,
+# activations and the OS need the rest); on CUDA no more than 90% of the memory free now.
 CPU_AVAILABLE_CAP = 0.5
 CUDA_FREE_CAP = 0.9
 
@@ -105,44 +103,6 @@ class CacheSpec:
         return per_slot * self.block_size
 
 
-def resolve_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.device) -> int:
-    """Byte budget of the pool from a parsed ``maxCacheSize`` (see ``confkv_api.config.parse_size``).
-
-    bytes: as given, but never more than the device can hold. Fraction: of free device memory on
-    CUDA (measured now, after the model was loaded); on CPU of total RAM. Unset: 90% of free memory
-    on CUDA, 1 GiB on CPU. Whatever was asked, the pool is capped at ``machine_cap`` (90% of free
-    CUDA memory, or on CPU half the RAM available now, in a container of what its memory cgroup
-    still allows; the model, activations and the OS need the rest): a size the machine cannot hold
-    is logged and capped rather than left to the OOM killer.
-    """
-    cap, what = machine_cap(device)
-    wanted = requested_cache_bytes(max_cache_size, device)
-    if wanted > cap:
-        log.warning("maxCacheSize asks for %d bytes, more than this machine can hold; the KV pool is "
-                    "capped at %d bytes (%s)", wanted, cap, what)
-        return cap
-    return wanted
-
-
-def requested_cache_bytes(max_cache_size: tuple[str, float] | None, device: torch.device,
-                          pool_bytes: int = 0) -> int:
-    """The bytes a parsed ``maxCacheSize`` asks for, uncapped. ``pool_bytes``: what a pool allocated
-    already occupies (a live change), counted back into the free CUDA memory a fraction is of, so a
-    fraction means the same live as at start-up."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0] + pool_bytes
-        if max_cache_size is None:
-            return int(CUDA_FREE_CAP * free)
-        kind, value = max_cache_size
-        return int(value if kind == "bytes" else value * free)
-    if max_cache_size is None:
-        return DEFAULT_CPU_CACHE_BYTES
-    import psutil
-
-    kind, value = max_cache_size
-    return int(value if kind == "bytes" else value * psutil.virtual_memory().total)
-
-
 def machine_cap(device: torch.device) -> tuple[int, str]:
     """The most bytes a pool allocated now may take, and how that was decided (for messages)."""
     if device.type == "cuda":
@@ -202,8 +162,10 @@ class CompressResult:
     blocks: int = 0  # table blocks (K or V) now stored compressed
     pool_blocks_freed: int = 0
     bytes_freed: int = 0  # pool_blocks_freed x block_bytes (position metadata included)
+    discarded: int = 0  # encodings dropped: their blocks changed while they were encoded
 
     def add(self, other: CompressResult) -> None:
         self.blocks += other.blocks
         self.pool_blocks_freed += other.pool_blocks_freed
         self.bytes_freed += other.bytes_freed
+        self.discarded += other.discarded

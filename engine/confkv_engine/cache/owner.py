@@ -19,6 +19,7 @@ from confkv_engine.cache.eviction import LRUK
 from confkv_engine.cache.layout import CacheSpec, SeqKV
 from confkv_engine.cache.prefix import PrefixIndex
 from confkv_engine.cache.storage import DeviceKV
+from confkv_engine.cache.streams import CacheStreams
 
 
 class BlockOwner(Protocol):
@@ -29,6 +30,7 @@ class BlockOwner(Protocol):
     prefix: PrefixIndex | None
     eviction: LRUK
     null_block: int
+    streams: CacheStreams  # side streams for cache work (none on CPU)
 
     @property
     def kv(self) -> Tensor: ...

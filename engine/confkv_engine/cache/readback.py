@@ -14,7 +14,8 @@ Admission works in three moves, so no engine step ever waits for the disk:
    decodes the payload into a ``[2, L, bs, Hkv, D]`` tensor. The chain stops at the first gap.
    ``done`` is set however that ends (a failure included), so nothing waits forever.
 3. On the engine thread again, once ``done`` is set, ``KVCache.install_load`` copies the decoded
-   pairs into pool blocks as evictable prefix entries (a copy, no I/O), and the request's
+   pairs into pool blocks as evictable prefix entries (a copy, no I/O; on CUDA from pinned memory on
+   the cache's read-back stream, the compute stream waiting on its event), and the request's
    admission matches them like any in-memory hit. What could not be read is recomputed, so the
    answer equals a cold cache's.
 """
@@ -53,6 +54,7 @@ class ChainLoad:
     shape: tuple[int, ...]  # of one decoded pair: [2, L, bs, Hkv, D]
     dtype: torch.dtype
     scale_shape: tuple[int, ...] | None = None  # an int8 pool's fp16 scales after the pair: [2, L, bs, Hkv]
+    pin: bool = False  # decode into pinned memory (a CUDA pool: the copy to it runs on a side stream)
     pairs: dict[bytes, tuple[Tensor, Tensor | None]] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -63,6 +65,8 @@ class ChainLoad:
         if len(payload) != data + scales:
             return None
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if self.pin:
+            raw = raw.pin_memory()
         pair = raw[:data].view(self.dtype).view(self.shape)
         if self.scale_shape is None:
             return pair, None

@@ -76,10 +76,12 @@ class DeviceKV:
 
     def set_block(self, block: int, data: Tensor, scales: Tensor | None = None) -> None:
         """Overwrite pool block ``block`` (all layers, [L, bs, Hkv, D]) and, in an int8 pool, its scales."""
-        self.kv[:, block] = data.to(self.kv.device)
+        # non_blocking: from pinned memory on CUDA the copy is queued on the current stream (a side
+        # stream for read-backs); from anything else it is an ordinary copy.
+        self.kv[:, block] = data.to(self.kv.device, non_blocking=True)
         if self.scale is not None and scales is not None:
             bs = self.spec.block_size
-            self.scale[:, block * bs:(block + 1) * bs] = scales.to(self.kv.device)
+            self.scale[:, block * bs:(block + 1) * bs] = scales.to(self.kv.device, non_blocking=True)
 
     def plan_writes(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> WritePlan:
         """Flat K and V slots of a step's new tokens (reserved already), and record their positions.

@@ -10,11 +10,14 @@ under a retention policy keep their private blocks as they are (retention rewrit
 place); only their shared prefix region may be compressed.
 
 **Worker.** A daemon thread wakes every ``interval`` seconds and compresses at most
-``BLOCKS_PER_PASS`` cold blocks under the engine's lock, so a step waits at most for a few block
-encodes, never for a whole sweep. On CUDA the encode runs on a side stream that first waits for the
-compute stream (the last step's writes) and is synchronised before the lock is released (the freed
-pool blocks may be handed out by the next step); on CPU it runs inline. A live config change applies
-to blocks compressed from then on (compressed blocks keep the codec they were written with).
+``BLOCKS_PER_PASS`` cold blocks in three phases (``cache.compress``): under the engine's lock it picks
+the blocks and snapshots them; it releases the lock and encodes the snapshots (on CUDA on a side
+stream ordered after the compute stream by an event, ``cache.streams``; on CPU on the worker thread
+itself); it takes the lock again only to swap the table entries of blocks still as they were
+picked, and discards the encodings of blocks freed or rewritten meanwhile. So steps run while a
+pass encodes, and nothing waits on the device but the phase that needs the result. A forced
+``compress`` runs the same phases on the calling thread. A live config change applies to blocks
+compressed from then on (compressed blocks keep the codec they were written with).
 
 **Control.** ``CompressionControl`` is the one owner of the live settings and the worker: the
 engine holds one and delegates its control-plane calls to it. The worker exists once the server
@@ -24,16 +27,17 @@ driven in-process (tests, benchmarks) compresses only when asked (``compress``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from confkv_api.config import CompressionSection
 from confkv_engine.cache.arena import block_codecs
+from confkv_engine.cache.compress import EncodeJob, encode_jobs, install_jobs, select_cold, select_tables
 from confkv_engine.cache.kv_cache import CompressResult, KVCache, SeqKV
 from confkv_engine.core.control_api import PolicyRejected
 from confkv_engine.core.sampling_params import InvalidRequest
@@ -63,28 +67,34 @@ def eligible_blocks(seq: HoldsBlocks, block_size: int) -> int:
     return n
 
 
+def select_blocks(cache: KVCache, running: list[HoldsBlocks], bits: int, group: int, cold_after: float,
+                  force: bool, limit: int) -> list[EncodeJob]:
+    """The first phase (under the lock): cold evictable entries first, then (``force``) the running
+    sequences' eligible blocks, chosen and snapshotted."""
+    jobs = select_cold(cache, bits, group, 0.0 if force else cold_after, limit, time.monotonic())
+    if force and len(jobs) < limit:
+        bs = cache.spec.block_size
+        jobs += select_tables(cache, [s.kv for s in running], [eligible_blocks(s, bs) for s in running],
+                              bits, group, limit - len(jobs))
+    return jobs
+
+
 def compress_blocks(cache: KVCache, running: list[HoldsBlocks], bits: int, group: int,
                     cold_after: float, force: bool, limit: int) -> CompressResult:
-    """Cold evictable entries first, then (``force``) the running sequences' eligible blocks."""
-    result = cache.compress_cold(bits, group, 0.0 if force else cold_after, limit)
-    if force and result.blocks < limit:
-        bs = cache.spec.block_size
-        result.add(cache.compress_tables([s.kv for s in running], [eligible_blocks(s, bs) for s in running],
-                                         bits, group, limit - result.blocks))
-    return result
+    """All three phases at once, for a caller that holds the lock throughout (benchmarks)."""
+    jobs = select_blocks(cache, running, bits, group, cold_after, force, limit)
+    return install_jobs(cache, encode_jobs(jobs))
 
 
-@contextlib.contextmanager
-def encode_stream(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Run the enclosed encodes on ``stream`` (CUDA), ordered after the compute stream's work and
-    finished on exit; a no-op on CPU."""
-    if stream is None or device.type != "cuda":
-        yield
-        return
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
+def compress_off_lock(lock: threading.RLock, cache: KVCache,
+                      select: Callable[[], list[EncodeJob]]) -> CompressResult:
+    """``select`` under ``lock``, encode without it, install under it again (see the module doc)."""
+    with lock, torch.inference_mode():
+        jobs = select()
+    with torch.inference_mode():
+        encode_jobs(jobs)
+    with lock, torch.inference_mode():
+        return install_jobs(cache, jobs)
 
 
 class CompressionWorker:
@@ -129,12 +139,10 @@ class CompressionWorker:
 class CompressionControl:
     """The engine's live compression settings and its background worker (see the module doc)."""
 
-    def __init__(self, cache: KVCache, lock: threading.RLock, device: torch.device,
-                 config: CompressionSection) -> None:
+    def __init__(self, cache: KVCache, lock: threading.RLock, config: CompressionSection) -> None:
         self.cache = cache
         self.config = config
         self._lock = lock  # the engine's step lock: a pass lands between two steps
-        self._device = device
         self._worker: CompressionWorker | None = None
 
     @property
@@ -148,15 +156,14 @@ class CompressionControl:
         bits = cfg.bits if bits is None else bits
         if bits not in (8, 4):
             raise InvalidRequest(f"compression bits must be 8 or 4, got {bits}", param="bits")
-        with self._lock, torch.inference_mode():
-            return compress_blocks(self.cache, running, bits, cfg.group_size, cfg.cold_after_seconds,
-                                   force, limit=self.cache.pool.num_blocks * 2)
+        limit = self.cache.pool.num_blocks * 2
+        return compress_off_lock(self._lock, self.cache, lambda: select_blocks(
+            self.cache, running, bits, cfg.group_size, cfg.cold_after_seconds, force, limit))
 
     def start(self) -> None:
         """Create the worker; its thread runs while the config says ``enabled``."""
         if self._worker is None:
-            stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
-            self._worker = CompressionWorker(lambda: self._pass(stream))
+            self._worker = CompressionWorker(self._pass)
         if self.config.enabled:
             self._worker.start()
 
@@ -184,7 +191,7 @@ class CompressionControl:
             else:
                 self._worker.stop()
 
-    def _pass(self, stream: torch.cuda.Stream | None) -> CompressResult:
+    def _pass(self) -> CompressResult:
         cfg = self.config
-        with self._lock, torch.inference_mode(), encode_stream(self._device, stream):
-            return self.cache.compress_cold(cfg.bits, cfg.group_size, cfg.cold_after_seconds, BLOCKS_PER_PASS)
+        return compress_off_lock(self._lock, self.cache, lambda: select_cold(
+            self.cache, cfg.bits, cfg.group_size, cfg.cold_after_seconds, BLOCKS_PER_PASS, time.monotonic()))

@@ -3,8 +3,8 @@ the attention backend, the scheduler, compression, and the lock they share.
 
 Every part gets its collaborators through its constructor here, once; nothing is set on a part
 afterwards. The one lock (``EngineParts.lock``) is an explicit object: the engine steps under it,
-live control changes land under it, and the compression worker encodes under it, so each of them
-is handed the same object rather than reaching into another's.
+live control changes land under it, and the compression worker picks and swaps blocks under it (it
+encodes without it), so each of them is handed the same object rather than reaching into another's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from confkv_engine.cache.disk.sink import DiskSink
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache
 from confkv_engine.cache.layout import resolve_cache_dtype
 from confkv_engine.cache.planner import MemoryPlan
+from confkv_engine.cache.streams import CacheStreams
 from confkv_engine.core.compression import CompressionControl
 from confkv_engine.core.memory_profile import plan_startup_memory
 from confkv_engine.core.scheduler import Scheduler
@@ -93,8 +94,10 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     disk = DiskSink(eng.cache_dir) if eng.cache_dir and salt is not None else None
     # Weights, the profiled activation peak, the decode gather bound and a reserve come off first.
     memory_plan = plan_startup_memory(model, spec, eng, max_model_len, size)
+    # engine.cudaStreams side streams for cache work (compression, spills, read-backs); none on CPU.
     cache = KVCache.from_budget(spec, memory_plan.pool_bytes, prefix_salt=salt,
-                                eviction_k=ev.k if ev.policy == "LRU-K" else 1, sink=disk)
+                                eviction_k=ev.k if ev.policy == "LRU-K" else 1, sink=disk,
+                                streams=CacheStreams(device, eng.cuda_streams))
     # Token-level retention (conf-kv and its peers). Retained sequences prefill in chunks of at most
     # confkv.decisionInterval tokens.
     chunk = retained_chunk(config.confkv, eng.prefill_chunk)
@@ -111,5 +114,5 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
         eos_token_ids=tuple(getattr(loaded, "eos_token_ids", ()) or ()), device=device, dtype=dtype,
         cache_dtype=cache_dtype, compile_seconds=compile_seconds, cache=cache, disk=disk, retention=manager,
         backend=RetentionAttention(cache, num_heads, memory_plan.gather_bytes), scheduler=scheduler,
-        compression=CompressionControl(cache, lock, device, config.confkv.compression), lock=lock,
+        compression=CompressionControl(cache, lock, config.confkv.compression), lock=lock,
         max_waiting=eng.max_waiting, memory_plan=memory_plan)

@@ -1,13 +1,15 @@
 """The disk store behind the prefix cache: evicted blocks spill to ``engine.cacheDir``, misses read back.
 
-``DiskSink`` is the cache's ``EvictionSink``. A spill only copies the block's bytes and queues them:
-a writer thread does the checksummed, fsynced ``DiskStore.put`` (milliseconds each), so an engine
-step that evicts never waits for the disk. The store's admission rule keeps blocks used fewer than
-twice off the SSD. Reading back runs on a second thread of its own (``readback``): ``start_load``
-queues a chain that continues a prefix-cache hit, the reader reads, verifies and decodes its
-records (token by token against the chain, like an in-memory hit) while the engine keeps stepping,
-and the engine installs the decoded blocks between two steps. Reads do not queue behind writes
-(an fsync each), and a read is only started when the disk's index holds the chain's next block.
+``DiskSink`` is the cache's ``EvictionSink``. A spill only queues the block's bytes, still in flight
+on CUDA (copied device-to-pinned on the cache's spill stream, ``streams.PendingBytes``): the writer
+thread waits for the copy, then does the checksummed, fsynced ``DiskStore.put`` (milliseconds each),
+so an engine step that evicts never waits for the device or the disk. The store's admission rule
+keeps blocks used fewer than twice off the SSD. Reading back runs on a second thread of its own
+(``readback``): ``start_load`` queues a chain that continues a prefix-cache hit, the reader reads,
+verifies and decodes its records (token by token against the chain, like an in-memory hit) while the
+engine keeps stepping, and the engine installs the decoded blocks between two steps. Reads do not
+queue behind writes (an fsync each), and a read is only started when the disk's index holds the
+chain's next block.
 
 The store's index survives restarts: ``DiskStore`` rebuilds it from the record files when it opens
 (torn or corrupt records are skipped and counted), and ``rebuild()`` does it again on demand.
@@ -25,6 +27,7 @@ import torch
 from confkv_engine.cache.disk.store import DiskStore, RebuildReport, capacity_from_volume
 from confkv_engine.cache.prefix import CachedBlock
 from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad
+from confkv_engine.cache.streams import PendingBytes
 
 log = logging.getLogger("confkv.cache.disk")
 
@@ -45,7 +48,7 @@ class DiskSink:
         capacity = capacity_bytes or capacity_from_volume(directory)
         self.store = DiskStore(directory, capacity)
         self.stats = DiskSinkStats()
-        self._queue: queue.Queue[tuple[CachedBlock, bytes, int] | None] = queue.Queue(QUEUE_LIMIT)
+        self._queue: queue.Queue[tuple[CachedBlock, PendingBytes, int] | None] = queue.Queue(QUEUE_LIMIT)
         self._writer = threading.Thread(target=self._write_loop, name="confkv-disk", daemon=True)
         self._writer.start()
         self._reads: queue.Queue[ChainLoad | None] = queue.Queue()
@@ -54,7 +57,7 @@ class DiskSink:
         self._reader.start()
 
     # ---- EvictionSink ------------------------------------------------------------------------
-    def spill(self, entry: CachedBlock, payload: bytes, uses: int) -> None:
+    def spill(self, entry: CachedBlock, payload: PendingBytes, uses: int) -> None:
         try:
             self._queue.put_nowait((entry, payload, uses))
         except queue.Full:
@@ -67,7 +70,7 @@ class DiskSink:
                 if item is None:
                     return
                 entry, payload, uses = item
-                if self.store.put(entry.key, entry.parent, list(entry.tokens), payload, uses=uses):
+                if self.store.put(entry.key, entry.parent, list(entry.tokens), payload.bytes(), uses=uses):
                     self.stats.spilled += 1
             except Exception:  # a full or failing disk loses cache entries, never requests
                 log.exception("disk store write failed")
@@ -80,13 +83,14 @@ class DiskSink:
 
     # ---- reading back (``readback``) ---------------------------------------------------------
     def start_load(self, links: list[ChainLink], shape: tuple[int, ...], dtype: torch.dtype,
-                   scale_shape: tuple[int, ...] | None = None) -> ChainLoad | None:
+                   scale_shape: tuple[int, ...] | None = None, pin: bool = False) -> ChainLoad | None:
         """Queue a read of ``links`` (at most ``MAX_LOAD_BLOCKS``) for the reader thread; None, at
-        once, when the disk has no record of the first block not cached in memory."""
+        once, when the disk has no record of the first block not cached in memory. ``pin``: decode
+        into pinned memory (for a CUDA pool)."""
         first = next((link for link in links if not link.cached), None)
         if first is None or self._closing.is_set() or not self.store.contains(first.key):
             return None
-        load = ChainLoad(links[:MAX_LOAD_BLOCKS], shape, dtype, scale_shape)
+        load = ChainLoad(links[:MAX_LOAD_BLOCKS], shape, dtype, scale_shape, pin)
         self._reads.put(load)
         return load
 
