@@ -121,6 +121,9 @@ class EngineSection(_Model):
     prefill_chunk: int = Field(default=512, ge=16, le=MAX_TOKENS)
     block_size: int = Field(default=16, ge=1, le=256)
     max_waiting: int = Field(default=256, ge=1, le=1_000_000)
+    # Side CUDA streams for cache work, so it overlaps the decode steps: spills to the disk tier use
+    # the first, read-backs the second, compression's encodes the rest in turn (with one or two
+    # streams they share). Ignored on CPU, where the same code runs inline.
     cuda_streams: int = Field(default=4, ge=1, le=64)
     # Largest HTTP request body (bytes); larger ones get 413 before they are read or parsed.
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=2**30)
