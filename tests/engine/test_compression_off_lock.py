@@ -18,6 +18,7 @@ from confkv_engine.cache import compress as compress_module
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model.loader import load_model
+from tests.engine.test_engine import prompt
 from tests.engine.tiny_models import make_tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -41,10 +42,6 @@ def make_engine(loaded, blocks: int = 22) -> LLMEngine:
         "engine": {"prefillChunk": 32},
         "confkv": {"maxCacheSize": str((blocks + 1) * block_bytes), "prefixCache": {"enabled": False}}})
     return LLMEngine(loaded, cfg)
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(i * 31 + salt * 7 + 3) % 250 for i in range(n)]
 
 
 class HeldEncoder:

@@ -15,6 +15,7 @@ from confkv_engine.core.faults import OOM_EVERY_ENV, OOM_TOKENS_ENV
 from confkv_engine.core.oom import ALONE_ERROR, leavers
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model.loader import load_model
+from tests.engine.test_engine import prompt
 from tests.engine.tiny_models import make_tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -34,42 +35,37 @@ def make_engine(loaded, policy: str = "full") -> LLMEngine:
     return LLMEngine(loaded, cfg)
 
 
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(i * 31 + salt * 7 + 3) % 250 for i in range(n)]
-
-
 def run(eng: LLMEngine, prompts: list[list[int]]) -> dict[str, object]:
     """Generate with ids r0, r1, ... (added in that order) and return their final outputs."""
     ids = [f"r{i}" for i in range(len(prompts))]
     return dict(zip(ids, eng.generate(prompts, GREEDY), strict=True))
 
 
-def test_one_oom_preempts_only_the_newest_sequence_and_outputs_are_unchanged(loaded, monkeypatch) -> None:
-    prompts = [prompt(12, i) for i in range(3)]
+def run_with_fault(loaded, monkeypatch, variable: str, value: str, prompts: list[list[int]]) -> list:
+    """Outputs under the fault switch ``variable=value``, checked equal to a run without it, all
+    finished by length; and the engine."""
     expected = [o.output_token_ids for o in make_engine(loaded).generate(prompts, GREEDY)]
-    # Pass 1 prefills all three, passes 2-5 decode them, pass 6 (their last decode) OOMs once.
-    monkeypatch.setenv(OOM_EVERY_ENV, "6")
+    monkeypatch.setenv(variable, value)
     eng = make_engine(loaded)
     outs = eng.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == expected
-    assert eng.num_oom == 1
-    assert [o.num_preemptions for o in outs] == [0, 0, 1]  # only the last admitted left the step
     assert all(o.finish_reason == "length" for o in outs)
     assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
+    return outs, eng
+
+
+def test_one_oom_preempts_only_the_newest_sequence_and_outputs_are_unchanged(loaded, monkeypatch) -> None:
+    # Pass 1 prefills all three, passes 2-5 decode them, pass 6 (their last decode) OOMs once.
+    outs, eng = run_with_fault(loaded, monkeypatch, OOM_EVERY_ENV, "6", [prompt(12, i) for i in range(3)])
+    assert eng.num_oom == 1
+    assert [o.num_preemptions for o in outs] == [0, 0, 1]  # only the last admitted left the step
 
 
 def test_a_step_that_fits_only_without_two_sequences_preempts_exactly_those(loaded, monkeypatch) -> None:
-    """The first pass prefills 3 x 10 tokens; a bound of 12 tokens lets one prompt through at a time,
-    so the pass sheds the newest, then the next newest; each comes back after the others."""
-    prompts = [prompt(10, i) for i in range(3)]
-    expected = [o.output_token_ids for o in make_engine(loaded).generate(prompts, GREEDY)]
-    monkeypatch.setenv(OOM_TOKENS_ENV, "12")
-    eng = make_engine(loaded)
-    outs = eng.generate(prompts, GREEDY)
-    assert [o.output_token_ids for o in outs] == expected
-    assert outs[0].num_preemptions == 0  # the first admitted never left a step
-    assert outs[2].num_preemptions >= outs[1].num_preemptions >= 1
-    assert all(o.finish_reason == "length" for o in outs)
+    """A bound of 12 tokens: pass 1 (3 prefills of 10) sheds r2, then r1; the next step (r0's decode,
+    r1's and r2's prefills) sheds r2 again; then r0 and r1 decode beside r2's prefill (12 tokens)."""
+    outs, eng = run_with_fault(loaded, monkeypatch, OOM_TOKENS_ENV, "12", [prompt(10, i) for i in range(3)])
+    assert [o.num_preemptions for o in outs] == [0, 1, 2] and eng.num_oom == 3
 
 
 def test_a_sequence_that_ooms_even_alone_fails_clearly_and_the_others_finish(loaded, monkeypatch) -> None:
