@@ -81,14 +81,52 @@ def test_a_sequence_that_ooms_even_alone_fails_clearly_and_the_others_finish(loa
     assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
 
 
-def test_retained_sequences_of_a_failed_pass_are_recomputed_and_replay_exactly(loaded, monkeypatch) -> None:
+def test_an_oom_before_the_model_keeps_retained_sequences_in_the_retry(loaded, monkeypatch) -> None:
     prompts = [prompt(12, i) for i in range(3)]
     expected = [o.output_token_ids for o in make_engine(loaded, "conf-kv").generate(prompts, GREEDY)]
-    monkeypatch.setenv(OOM_EVERY_ENV, "4")
+    monkeypatch.setenv(OOM_EVERY_ENV, "6")  # raised before the model: no scoring state was touched
     eng = make_engine(loaded, "conf-kv")
     outs = eng.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == expected
-    assert eng.num_oom == 1 and all(o.num_preemptions == 1 for o in outs)  # all three were in pass 4
+    assert eng.num_oom == 1 and [o.num_preemptions for o in outs] == [0, 0, 1]
+
+
+class _OomOver:
+    """Test double standing in for a CUDA OOM inside the forward pass (no GPU here): the model raises
+    torch.OutOfMemoryError for a pass of more than ``tokens`` tokens, after the attention backend
+    began the step (so retained sequences' scoring state took the pass's appends)."""
+
+    def __init__(self, model, tokens: int) -> None:
+        self.model, self.tokens = model, tokens
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, input_ids, *args, **kwargs):
+        if input_ids.numel() > self.tokens:
+            raise torch.OutOfMemoryError(f"a pass of {input_ids.numel()} tokens (test double)")
+        return self.model(input_ids, *args, **kwargs)
+
+
+def test_retained_sequences_of_a_failed_forward_go_back_and_replay_exactly(loaded) -> None:
+    """Three retained prompts of 12 tokens, a forward pass over 14 tokens fails: the first pass
+    sheds two (fresh sequences, newest first); then the running one's decode beside a prefill fails
+    in the model, the retained running one must go back too, and when a whole pass must go the
+    scheduler admits fewer at a time. Every request still finishes with the fault-free output."""
+    prompts = [prompt(12, i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = [o.output_token_ids for o in make_engine(loaded, "conf-kv").generate(prompts, params)]
+    eng = make_engine(loaded, "conf-kv")
+    eng.model = _OomOver(loaded.model, 14)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    final = {}
+    for _ in range(200):  # bounded: a livelock fails the test instead of hanging it
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+        if not eng.has_unfinished():
+            break
+    assert [final[f"r{i}"].output_token_ids for i in range(3)] == expected
+    assert all(o.finish_reason == "length" for o in final.values()) and eng.num_oom >= 2
 
 
 class _Seq:

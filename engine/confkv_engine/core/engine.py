@@ -120,12 +120,14 @@ class LLMEngine(EngineControlSurface):
     def _step_scheduled(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []  # of sequences an OOM failed
         while True:  # out of memory: retry at once with fewer sequences (``core.oom``)
+            ran = False  # whether the failed pass got to the model (and the sequences' state)
             try:
                 self._oom_fault.before_model(sum(n for _, n in scheduled))
+                ran = True
                 results = self._run(scheduled)
                 break
             except torch.OutOfMemoryError:
-                scheduled = self._recover_from_oom(scheduled, outputs)
+                scheduled = self._recover_from_oom(scheduled, ran, outputs)
                 if not scheduled:
                     return outputs
         for seq, n in scheduled:
@@ -212,10 +214,11 @@ class LLMEngine(EngineControlSurface):
         if seq.kv.num_slots // self.cache.spec.block_size > len(seq.kv.block_keys):
             self.cache.register(seq.kv, seq.token_slice(0, seq.kv.num_slots))
 
-    def _recover_from_oom(self, scheduled: list[tuple[Sequence, int]],
+    def _recover_from_oom(self, scheduled: list[tuple[Sequence, int]], ran: bool,
                           outputs: list[RequestOutput]) -> list[tuple[Sequence, int]]:
         """Take the fewest sequences out of a step that ran out of memory (preempted, or failed with
-        an output in ``outputs`` after repeated OOMs alone); returns what the retry runs."""
+        an output in ``outputs`` after repeated OOMs alone); ``ran``: the pass reached the model.
+        Returns what the retry runs."""
         self.num_oom += 1
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -228,10 +231,13 @@ class LLMEngine(EngineControlSurface):
             else:
                 self.scheduler.preempt(seq)
             return []
-        gone = leavers([s for s, _ in scheduled], self.scheduler.running)
+        gone = leavers([s for s, _ in scheduled], self.scheduler.running, ran)
         for seq in gone:
             self.scheduler.preempt(seq)
-        return [(s, n) for s, n in scheduled if not any(s is g for g in gone)]
+        rest = [(s, n) for s, n in scheduled if not any(s is g for g in gone)]
+        if not rest:  # all had to go (retained): they must not come back as the same group
+            self.scheduler.limit_running(len(scheduled) - 1)
+        return rest
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, self.retention.usage(seq))

@@ -9,7 +9,8 @@ pass fits or one sequence is left: the fewest sequences leave, and the others lo
 sequences that leave are preempted (their cache freed, requeued first in line in arrival order,
 recomputed when they come back).
 
-Two kinds of sequence cannot stay for the retry, since the failed pass may have changed them:
+When the pass reached the model, two kinds of sequence cannot stay for the retry, since it may
+have changed them (an OOM raised before the model, such as an injected one, changed nothing):
 
 - a retained sequence (a ``policy_state``): the pass appended its new slots to the scoring state
   and recorded its queries before it failed, and a second pass would record them twice; its replay
@@ -18,7 +19,10 @@ Two kinds of sequence cannot stay for the retry, since the failed pass may have 
   the logits or sampling): its cache holds the step's tokens but it has not sampled.
 
 Other sequences keep their cache: the failed pass wrote their new slots without committing them,
-and the retry plans the same slots again and overwrites them.
+and the retry plans the same slots again and overwrites them. When every sequence of the pass had
+to go, nothing is retried; the scheduler then admits one sequence fewer than the pass held until
+its queue drains (``Scheduler.limit_running``), lowered again by each such failure, so a group that
+fails together is never admitted together forever and a sequence ends up running alone.
 
 Failure: an OOM counts against a sequence only when it ran **alone**, so a request that fits by
 itself is never failed for its companions; after ``MAX_OOM_RETRIES`` such OOMs it finishes with
@@ -52,12 +56,14 @@ def changed_by_failed_pass(seq: StepSequence) -> bool:
     return seq.policy_state is not None or seq.kv.num_slots != seq.num_computed
 
 
-def leavers(step: list[StepSequence], admitted: Ordered[StepSequence]) -> list[StepSequence]:
+def leavers(step: list[StepSequence], admitted: Ordered[StepSequence],
+            ran: bool = True) -> list[StepSequence]:
     """The sequences that leave a step of two or more that ran out of memory: those the failed pass
-    changed, or, when it changed none, the most recently admitted one (``admitted``: the running
-    sequences in admission order), so the retry has at least one sequence fewer. Newest first
-    (requeued in this order, each to the front of the queue, they wait in arrival order)."""
+    changed (only when it ``ran``: reached the model), or, when it changed none, the most recently
+    admitted one (``admitted``: the running sequences in admission order), so the retry has at least
+    one sequence fewer. Newest first (requeued in this order, each to the front of the queue, they
+    wait in arrival order)."""
     rank = {id(s): i for i, s in enumerate(admitted)}
     newest_first = sorted(step, key=lambda s: rank.get(id(s), -1), reverse=True)
-    changed = [s for s in newest_first if changed_by_failed_pass(s)]
+    changed = [s for s in newest_first if ran and changed_by_failed_pass(s)]
     return changed or newest_first[:1]

@@ -79,6 +79,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._oom_limit: int | None = None  # running sequences allowed after an OOM (``limit_running``)
 
     def set_max_batch_size(self, n: int) -> None:
         """Live change: applies from the next ``schedule``; running sequences over it finish."""
@@ -96,6 +97,12 @@ class Scheduler:
         seq.policy_state = None
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def limit_running(self, n: int) -> None:
+        """After a pass that ran out of memory and had to send every sequence back (``core.oom``):
+        admit at most ``n`` running sequences until the waiting queue drains, so the same group is
+        not admitted together to fail together again; a later failure lowers it further."""
+        self._oom_limit = max(1, n)
 
     def preempt(self, seq: Sequence) -> None:
         """``requeue_front``, counted as a preemption (for want of blocks, or out of device memory)."""
@@ -130,6 +137,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if not self.waiting:
+            self._oom_limit = None  # the queue an OOM built up has drained
         budget = self.max_num_batched_tokens
         # Blocks still promised to running reserved sequences (by id): others may not take them.
         promised = {id(s): h for s in self.running if (h := self._headroom(s)) is not None}
@@ -227,7 +236,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, promised: int) -> int:
         """Admit waiting sequences; ``promised``: blocks running reservations may still take."""
         bs, i = self.cache.spec.block_size, 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size:
+        limit = min(self.max_batch_size, self._oom_limit or self.max_batch_size)
+        while i < len(self.waiting) and budget > 0 and len(self.running) < limit:
             seq = self.waiting[i]
             hit = None if self._loading(seq) else self._prefix_hits(seq)
             if hit is None:  # its blocks are on their way from disk: the next ones go first
