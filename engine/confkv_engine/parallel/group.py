@@ -63,13 +63,15 @@ def check_degree(world: int, num_heads: int, num_kv_heads: int) -> None:
 
 
 def init_group(rank: int, world: int, master_port: int, device: str,
-               timeout_s: float = DEFAULT_TIMEOUT_SECONDS, master_addr: str = "127.0.0.1") -> TPGroup:
-    """Join the group as ``rank`` (torchrun's environment: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE)."""
-    os.environ.setdefault("MASTER_ADDR", master_addr)
+               timeout_s: float = DEFAULT_TIMEOUT_SECONDS, master_addr: str = "127.0.0.1",
+               local_rank: int | None = None) -> TPGroup:
+    """Join the group as ``rank`` (torchrun's environment: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE).
+    ``local_rank``: this process's index on its node (its GPU); the global rank on one node."""
+    os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return TPGroup(rank, world)
