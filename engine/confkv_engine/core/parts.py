@@ -10,6 +10,7 @@ is handed the same object rather than reaching into another's.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,11 +64,13 @@ class EngineParts:
 
 
 def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | None = None,
-                shards: HeadShards | None = None) -> EngineParts:
+                shards: HeadShards | None = None,
+                make_disk: Callable[[str], DiskSink] = DiskSink) -> EngineParts:
     """``loaded``: a ``model.loader.LoadedModel`` or anything with its attributes; ``retention``
     overrides the confkv section's retention defaults; ``shards``: this rank's share of the KV heads
     under tensor parallelism (the model is sharded already; its attention layers say how many heads
-    this rank computes, which sizes the pool)."""
+    this rank computes, which sizes the pool); ``make_disk``: the disk store on ``engine.cacheDir``
+    (a tensor-parallel rank's keeps its shard and agrees on read-backs: ``parallel.disk``)."""
     eng, model = config.engine, loaded.model
     args = model.args
     attn = model.layers[0].self_attn  # this rank's heads: all of them, or its shard under tensor parallelism
@@ -90,7 +93,7 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     # The salt names what changes the stored K/V besides the tokens (dtypes are added by the cache).
     salt = f"{getattr(loaded, 'name', '')}|{args}".encode() if config.confkv.prefix_cache.enabled else None
     # The disk store (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
-    disk = DiskSink(eng.cache_dir) if eng.cache_dir and salt is not None else None
+    disk = make_disk(eng.cache_dir) if eng.cache_dir and salt is not None else None
     # Weights, the profiled activation peak, the decode gather bound and a reserve come off first.
     memory_plan = plan_startup_memory(model, spec, eng, max_model_len, size)
     cache = KVCache.from_budget(spec, memory_plan.pool_bytes, prefix_salt=salt,

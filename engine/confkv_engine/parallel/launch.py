@@ -19,7 +19,9 @@ Choices written down here because the brief of a user of vLLM expects them:
   it when the group's collective timeout (``DEFAULT_TIMEOUT_SECONDS``) expires: exit code
   ``EXIT_RANK_LOST`` with the reason on stderr, so the pod restarts instead of hanging;
 - background compression of cached blocks is switched off (it runs on a timer per process and
-  would make the ranks' caches differ); the disk store is refused.
+  would make the ranks' caches differ);
+- the disk store (``engine.cacheDir``) keeps one shard per rank, in ``tp<N>-rank<r>`` under the
+  directory, and read-backs are agreed by every rank (``parallel.disk``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from confkv_api.config import ConfKVConfig, with_overrides
 from confkv_engine.core.parts import build_parts
+from confkv_engine.parallel.disk import RankDiskSink
 from confkv_engine.parallel.engine import LeaderEngine, WorkerEngine
 from confkv_engine.parallel.group import (
     DEFAULT_TIMEOUT_SECONDS,
@@ -56,8 +59,6 @@ EXIT_RANK_LOST = 3
 
 def tp_config(config: ConfKVConfig) -> ConfKVConfig:
     """The config every rank runs (see the module docstring); raises TensorParallelError."""
-    if config.engine.cache_dir:
-        raise TensorParallelError("engine.cacheDir (the disk store) is not supported with tensorParallel > 1")
     if config.model.weights in ("int4", "int8"):
         raise TensorParallelError(f"weights {config.model.weights!r} cannot be sharded: use auto, fp32 or "
                                   f"bf16 with tensorParallel > 1")
@@ -80,7 +81,8 @@ def build_rank(loaded: Any, config: ConfKVConfig, group: TPGroup, leader: bool,
     """Shard ``loaded``'s model for ``group.rank`` and build that rank's engine on it
     (``retention`` overrides the config's retention defaults, as ``build_parts``'s does)."""
     shard_model(loaded.model, group)
-    parts = build_parts(loaded, config, retention, shards=KVHeadShards(group))
+    parts = build_parts(loaded, config, retention, shards=KVHeadShards(group),
+                        make_disk=lambda cache_dir: RankDiskSink(cache_dir, group))
     cls = LeaderEngine if leader else WorkerEngine
     return cls(group, loaded, config, parts=parts)
 
