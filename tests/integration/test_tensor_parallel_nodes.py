@@ -40,7 +40,8 @@ def _complete(url: str) -> tuple[str, list[str]]:
 
 def _node(model_dir: Path, log: Path, port: int, rank: int) -> subprocess.Popen[bytes]:
     cmd = [*_confkv_command(), "serve", "--model", str(model_dir), *FLAGS, "--tensor-parallel", "2",
-           "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+           "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+           "--master-port", str(port)]
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "CONFKV_THREADS": "1", "OMP_NUM_THREADS": "1"})
