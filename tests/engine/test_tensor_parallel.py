@@ -12,13 +12,11 @@ what each rank would have decided from its own heads' scores alone by wrapping `
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.engine import LLMEngine
@@ -27,6 +25,7 @@ from confkv_engine.model.loader import load_model
 from confkv_engine.retention import policies
 from confkv_engine.retention.manager import RetentionManager
 from confkv_engine.retention.tiers import Tier
+from testkit.ranks import spawn_ranks
 from tests.engine.tiny_models import dense_logits, make_tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -155,12 +154,6 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, case: str, out:
     destroy_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-models")
@@ -181,15 +174,7 @@ def _reference(model_dir: Path, case: str, monkeypatch) -> dict:  # type: ignore
 
 
 def _run_ranks(model_dir: Path, case: str, out: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(model_dir), case, str(out)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    spawn_ranks(_rank_main, 2, str(model_dir), case, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -11,17 +11,16 @@ read it back.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from confkv_api.config import ConfKVConfig
 from confkv_engine.cache.disk.files import scan_blocks
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model.loader import load_model
+from testkit.ranks import spawn_ranks
 
 pytest.importorskip("transformers")
 
@@ -36,13 +35,14 @@ def _config(cache_dir: str) -> ConfKVConfig:
         "confkv": {"maxCacheSize": "8Mi", "compression": {"enabled": False}}})
 
 
-def _rank_main(rank: int, port: int, model_dir: str, cache_dir: str, out: str, phase: str) -> None:
+def _rank_main(rank: int, world: int, port: int, model_dir: str, cache_dir: str, out: str,
+               phase: str) -> None:
     from confkv_engine.parallel.group import destroy_group, init_group
     from confkv_engine.parallel.launch import build_rank
 
     torch.set_num_threads(1)
     loaded = load_model(model_dir, dtype=torch.float32, device="cpu")
-    group = init_group(rank, 2, port, "cpu", timeout_s=60)
+    group = init_group(rank, world, port, "cpu", timeout_s=60)
     engine = build_rank(loaded, _config(cache_dir), group, leader=rank == 0)
     result: dict = {}
     if rank == 0:
@@ -58,22 +58,8 @@ def _rank_main(rank: int, port: int, model_dir: str, cache_dir: str, out: str, p
     destroy_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(model_dir: Path, cache_dir: Path, out: Path, phase: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(model_dir), str(cache_dir), str(out), phase))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    spawn_ranks(_rank_main, 2, str(model_dir), str(cache_dir), str(out), phase)
     return [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False) for r in range(2)]
 
 
