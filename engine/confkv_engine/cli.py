@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from confkv_api.config import ConfigError, ConfKVConfig, dump_config, load_config_file, with_overrides
-from confkv_engine.parallel.topology import DEFAULT_MASTER_PORT, Topology, TopologyError
+from confkv_engine.parallel.topology import (
+    DEFAULT_JOIN_TIMEOUT_SECONDS,
+    DEFAULT_MASTER_PORT,
+    Topology,
+    TopologyError,
+)
 
 if TYPE_CHECKING:
     from confkv_agent.launcher import AgentProcess
@@ -147,6 +152,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--master-port", type=int, metavar="PORT",
         help=f"TCP port of the group's rendezvous on node 0 (needed with --nnodes > 1; torchrun's default "
              f"is {DEFAULT_MASTER_PORT})")
+    add("--join-timeout", type=_seconds, metavar="S",
+        help=f"seconds the nodes of a --nnodes group may take to meet before it gives up (default "
+             f"{DEFAULT_JOIN_TIMEOUT_SECONDS:.0f})")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -207,7 +215,8 @@ def build_topology(args: argparse.Namespace, config: ConfKVConfig) -> Topology:
     """The group's node layout from the flags; raises TopologyError naming the problem."""
     master_addr = getattr(args, "master_addr", None) or "127.0.0.1"
     return Topology(config.engine.tensor_parallel, getattr(args, "nnodes", None) or 1,
-                    getattr(args, "node_rank", None) or 0, master_addr, getattr(args, "master_port", None))
+                    getattr(args, "node_rank", None) or 0, master_addr, getattr(args, "master_port", None),
+                    getattr(args, "join_timeout", None) or DEFAULT_JOIN_TIMEOUT_SECONDS)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -38,10 +38,10 @@ def _complete(url: str) -> tuple[str, list[str]]:
     return out.choices[0].text, list(out.choices[0].logprobs.tokens)
 
 
-def _node(model_dir: Path, log: Path, port: int, rank: int) -> subprocess.Popen[bytes]:
+def _node(model_dir: Path, log: Path, port: int, rank: int, *extra: str) -> subprocess.Popen[bytes]:
     cmd = [*_confkv_command(), "serve", "--model", str(model_dir), *FLAGS, "--tensor-parallel", "2",
            "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-           "--master-port", str(port)]
+           "--master-port", str(port), *extra]
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "CONFKV_THREADS": "1", "OMP_NUM_THREADS": "1"})
@@ -74,7 +74,7 @@ def test_tensor_parallel_two_nodes_equal_one_process(model_dir: Path, tmp_path: 
 
 def test_a_node_without_its_leader_exits_with_an_error(model_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "orphan.log"
-    orphan = _node(model_dir, log, free_port(), 1)  # nobody listens at the rendezvous
+    orphan = _node(model_dir, log, free_port(), 1, "--join-timeout", "20")  # nobody at the rendezvous
     try:
         code = orphan.wait(timeout=EXIT_DEADLINE_S + 60)  # TimeoutExpired (a hang) fails the test
     finally:
@@ -83,3 +83,4 @@ def test_a_node_without_its_leader_exits_with_an_error(model_dir: Path, tmp_path
             orphan.wait()
     assert code != 0
     assert "node 1 could not join the group" in log.read_text()
+

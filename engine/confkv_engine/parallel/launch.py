@@ -95,8 +95,9 @@ def _free_port() -> int:
 
 def _join(rank: int, topology: Topology, port: int, device: str, timeout_s: float) -> TPGroup:
     local = rank - topology.first_rank
+    join = topology.join_timeout_s if topology.nodes > 1 else None  # one node: its ranks start together
     return init_group(rank, topology.degree, port, device, timeout_s, master_addr=topology.master_addr,
-                      local_rank=local)
+                      local_rank=local, join_timeout_s=join)
 
 
 def worker_main(rank: int, topology: Topology, port: int, config_json: str, timeout_s: float) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 #: torchrun's default rendezvous port (used across nodes; one node picks a free local port).
 DEFAULT_MASTER_PORT = 29500
+#: How long a group across nodes waits for all of them (torchrun's rendezvous waits 600 s too).
+DEFAULT_JOIN_TIMEOUT_SECONDS = 600.0
 
 
 class TopologyError(ValueError):
@@ -30,6 +32,8 @@ class Topology:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: one node, a free local port chosen at start
+    # Seconds the nodes may take to meet (a peer pod may still pull its image or download weights).
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.degree % self.nodes:
@@ -41,6 +45,8 @@ class Topology:
             raise TopologyError("a group across nodes needs --master-port (every node must use the same)")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise TopologyError(f"--master-port {self.master_port} is not a TCP port")
+        if not self.join_timeout_s > 0:
+            raise TopologyError(f"--join-timeout must be > 0 seconds, got {self.join_timeout_s}")
 
     @property
     def ranks_per_node(self) -> int:
