@@ -1,10 +1,11 @@
 """The ``spec`` of a ConfKVDeployment CR (operator only; not part of ``confkv.json``).
 
-The first five groups are the ``confkv.json`` sections; the others (replicas, resources, storage,
-images, and the sections of ``cluster``: pod, monitoring, networkPolicy, autoscaling, inferencePool)
-only shape the pod and the objects around it. ``engine`` is the engine section plus deployment-only
-fields (``apiKeySecretRef``) that the operator turns into pod settings and strips before writing
-``confkv.json``.
+The first five groups are the ``confkv.json`` sections; the others (replicas, nodes, resources,
+storage, images, and the sections of ``cluster``: pod, monitoring, networkPolicy, autoscaling,
+inferencePool) only shape the pod and the objects around it, except that nodes x gpusPerPod becomes
+``engine.tensorParallel`` on GPU pods (``DeploymentSpec.tensor_parallel_degree``). ``engine`` is
+the engine section plus deployment-only fields (``apiKeySecretRef``) that the operator turns into
+pod settings and strips before writing ``confkv.json``.
 
 Checks that need the operator's own settings (the hostPath allow-list) are not here: the operator
 applies them on top of this model (``confkv_operator.hostpaths``). What is here is also in the CRD's

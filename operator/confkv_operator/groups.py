@@ -6,8 +6,8 @@ The LeaderWorkerSet controller (leaderworkerset.x-k8s.io/v1, https://lws.sigs.k8
 pods and gives every container ``LWS_LEADER_ADDRESS`` (the leader pod's DNS name through the
 group's headless Service), ``LWS_GROUP_SIZE`` and ``LWS_WORKER_INDEX`` (0 for the leader). Both
 templates start the engine with the same config and ``--nnodes <nodes> --node-rank
-$(LWS_WORKER_INDEX) --master-addr $(LWS_LEADER_ADDRESS) --master-port 29500`` (Kubernetes expands
-``$(VAR)`` from the container's environment):
+$(LWS_WORKER_INDEX) --master-addr $(LWS_LEADER_ADDRESS) --master-port 29500 --join-timeout S``
+(Kubernetes expands ``$(VAR)`` from the container's environment; ``join_timeout``):
 
 - the leader (rank 0) is the serving pod of a Deployment: engine with probes and the HTTP port,
   the agent sidecar, plus the rendezvous port where the other nodes meet it; labelled
@@ -27,7 +27,7 @@ from typing import Any
 from confkv_api.deployment import DeploymentSpec
 
 from . import names as n
-from .pod import pod_template
+from .pod import DOWNLOAD_ALLOWANCE_SECONDS, pod_template
 from .settings import OperatorSettings
 
 Obj = dict[str, Any]
@@ -36,13 +36,21 @@ LWS_KIND = "LeaderWorkerSet"
 #: The group's rendezvous on the leader (torchrun's default port; the engine's --master-port).
 RENDEZVOUS_PORT = 29500
 ROLE_LABEL = "confkv.io/role"
+JOIN_SECONDS = 600  # image pulls and scheduling of a group's pods (the engine's default)
 _PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def join_timeout(spec: DeploymentSpec) -> int:
+    """Seconds the group's pods may take to meet: their image pulls and loads start together, but
+    each pod downloads ``model.hfId`` on its own, so a download's spread is allowed for too."""
+    return JOIN_SECONDS + (DOWNLOAD_ALLOWANCE_SECONDS if spec.model.hf_id else 0)
 
 
 def node_flags(spec: DeploymentSpec) -> list[str]:
     """The engine's place in the group, from the variables the LWS controller sets."""
     return ["--nnodes", str(spec.nodes), "--node-rank", "$(LWS_WORKER_INDEX)",
-            "--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", str(RENDEZVOUS_PORT)]
+            "--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", str(RENDEZVOUS_PORT),
+            "--join-timeout", str(join_timeout(spec))]
 
 
 def serving_selector(name: str, spec: DeploymentSpec) -> dict[str, str]:

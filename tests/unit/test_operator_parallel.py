@@ -15,7 +15,7 @@ from confkv_api.deployment import load_deployment_spec
 from confkv_operator import names as n
 from confkv_operator.builders import OPTIONAL_KINDS, build_children
 from confkv_operator.groups import RENDEZVOUS_PORT, ROLE_LABEL
-from confkv_operator.pod import TP_SHM_SIZE
+from confkv_operator.pod import DOWNLOAD_ALLOWANCE_SECONDS, TP_SHM_SIZE
 from confkv_operator.settings import OperatorSettings
 from confkv_operator.status import missing_api_status
 
@@ -76,7 +76,7 @@ def test_nodes_render_a_leader_worker_set_whose_group_is_one_tensor_parallel_gro
     assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
     assert _config(children)["engine"]["tensorParallel"] == 16  # 2 nodes x 8 GPUs
     flags = ["--nnodes", "2", "--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)",
-             "--master-port", str(RENDEZVOUS_PORT)]
+             "--master-port", str(RENDEZVOUS_PORT), "--join-timeout", "600"]
     for key, role in (("leaderTemplate", "leader"), ("workerTemplate", "worker")):
         template = group[key]
         assert template["metadata"]["labels"][ROLE_LABEL] == role
@@ -119,3 +119,13 @@ def test_without_the_leader_worker_set_api_no_workload_is_rendered() -> None:
     assert status["phase"] == "Degraded" and conditions["Degraded"]["status"] == "True"
     assert conditions["Ready"]["reason"] == "LeaderWorkerSetNotInstalled"
     assert conditions["InvalidSpec"]["status"] == "False"
+
+
+def test_a_group_that_downloads_its_weights_waits_longer_for_its_nodes() -> None:
+    spec = {"nodes": 2, "resources": {"gpusPerPod": 1},
+            "model": {"hfId": "Qwen/Qwen2.5-72B-Instruct", "source": "/models/qwen"}}
+    group = _children(spec)["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    for key in ("leaderTemplate", "workerTemplate"):
+        command = _container(group[key]["spec"], n.ENGINE_CONTAINER)["command"]
+        assert command[command.index("--join-timeout") + 1] == str(600 + DOWNLOAD_ALLOWANCE_SECONDS)
+        _container(group[key]["spec"], n.FETCH_CONTAINER)  # every pod downloads its own copy
