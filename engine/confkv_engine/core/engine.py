@@ -136,15 +136,15 @@ class LLMEngine(EngineControlSurface):
         for seq, n in scheduled:
             ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
             pos.extend(range(seq.num_computed, seq.num_computed + n))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        self.cache.staging.begin_step()
+        input_ids, positions = self.cache.staging.send([ids, pos])
         states = [self.retention.prepare(s) for s, _ in scheduled]
         self.backend.begin_step([s.kv for s, _ in scheduled], [n for _, n in scheduled], positions, states)
         hidden = self.model(input_ids, positions, self.backend)
         self.backend.end_step()
         self._retention_logits(scheduled, hidden)
         return sample_step(self.model, self.tokenizer, self.vocab_size, self.eos_token_ids, scheduled,
-                           hidden)
+                           hidden, self.cache.staging.send)
 
     def _retention_logits(self, scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
         """Untempered logits of every row for sequences whose retention uses the sampling signal."""
