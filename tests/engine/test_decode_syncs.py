@@ -14,6 +14,7 @@ import pytest
 
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.engine import LLMEngine
+from confkv_engine.core.parts import build_parts
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model.loader import load_model
 from testkit.drivers.sync_count import SyncCounter
@@ -22,6 +23,7 @@ from tests.engine.tiny_models import make_tiny_hf_model
 PROMPT, SEQS, STEPS = 40, 4, 40
 POLICIES = {
     "full": {"kvPolicy": "full"},
+    "full+static": {"kvPolicy": "full"},  # the static-buffer decode path (CUDA graphs on CUDA)
     "conf-kv": {"kvPolicy": "conf-kv", "budget": 0.5},
     "conf-kv+tiers": {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": ["full", "int4", "int2"]},
 }
@@ -36,7 +38,8 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[bool
     for name, confkv in POLICIES.items():
         config = ConfKVConfig.model_validate({"engine": {"prefillChunk": 64, "blockSize": 16},
                                               "confkv": {**confkv, "maxCacheSize": "8Mi"}})
-        engine = LLMEngine(loaded, config)
+        parts = build_parts(loaded, config, static_decode=name.endswith("static"))
+        engine = LLMEngine(loaded, config, parts=parts)
         params = SamplingParams(temperature=0.0, max_tokens=STEPS + 2, ignore_eos=True)
         for i in range(SEQS):
             engine.add_request(f"r{i}", [5 + i] * PROMPT, params)
@@ -57,6 +60,17 @@ def _kinds(events: list[tuple[str, str]]) -> Counter[tuple[str, str]]:
 def test_full_decode_step_reads_back_only_the_sampled_ids(steps) -> None:
     for _, counter in steps["full"]:
         assert _kinds(counter.syncs()) == Counter({("tolist", "core/step_io.py"): 1})
+
+
+def test_static_decode_step_reads_back_only_the_sampled_ids(steps) -> None:
+    """The static-buffer path (every step of a ``full`` batch takes it). Its kernel here is the CPU
+    one (``attention.kernels.cpu``), which plans its reads from the K and V tables it is given: those
+    are CPU tensors read on the host, not waits, and that kernel never runs beside a GPU
+    (``kernels.kernel_for`` picks Triton there, which reads nothing back); they are counted apart."""
+    for _, counter in steps["full+static"]:
+        kinds = _kinds(counter.syncs())
+        assert kinds.pop(("tolist", "attention/kernels/cpu.py"), 0) == 2 * SEQS  # K and V tables
+        assert kinds == Counter({("tolist", "core/step_io.py"): 1})
 
 
 @pytest.mark.parametrize("policy", ["conf-kv", "conf-kv+tiers"])
