@@ -44,6 +44,8 @@ whole step at once:
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +56,8 @@ from torch import Tensor
 from confkv_engine.attention.kernels import PagedBatch, PagedKernel, kernel_for
 from confkv_engine.cache.block_pool import is_compressed
 from confkv_engine.cache.kv_cache import KVCache, SeqKV, WritePlan
+
+log = logging.getLogger(__name__)
 
 SMALL_SIZES = (1, 2, 4, 8, 16)
 STEP = 16
@@ -159,11 +163,11 @@ class DecodeRunner:
         slots are committed."""
         b = len(seqs)
         size = self.last_size = padded_size(b, self.sizes)
+        if self.graphs_wanted and self._pool_storage != self.cache.kv.untyped_storage().data_ptr():
+            self.capture()  # first use, or a resize reallocated the pool (before the rows are written)
         self._fill(seqs, ids, positions)
         self._pad(b, size)
         if self.graphs_wanted:
-            if self._pool_storage != self.cache.kv.untyped_storage().data_ptr():
-                self.capture()  # first use, or the pool was reallocated by a resize
             graph, out = self._graphs[size]
             graph.replay()
         else:
@@ -221,7 +225,7 @@ class DecodeRunner:
             return
         self._graphs.clear()
         self._pad(0, self.sizes[-1])
-        device = self.cache.spec.device
+        device, start = self.cache.spec.device, time.perf_counter()
         torch.cuda.synchronize(device)
         pool = None
         with torch.inference_mode():
@@ -239,3 +243,5 @@ class DecodeRunner:
                 self._graphs[size] = (graph, out)
         torch.cuda.synchronize(device)
         self._pool_storage = self.cache.kv.untyped_storage().data_ptr()
+        log.info("captured decode CUDA graphs at batch sizes %s in %.1f s", self.sizes,
+                 time.perf_counter() - start)

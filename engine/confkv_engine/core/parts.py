@@ -9,6 +9,7 @@ is handed the same object rather than reaching into another's.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from confkv_engine.model.compiled import compile_elementwise
 from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import HeadShards, decision_interval
+
+log = logging.getLogger(__name__)
 
 
 class NullTokenizer:
@@ -130,5 +133,11 @@ def _decode_runner(model: Any, cache: KVCache, eng: EngineSection, max_model_len
     if not (wanted and single_rank and DecodeRunner.supported(cache)):
         return None
     runner = DecodeRunner(model, cache, eng.max_batch_size, max_model_len, graphs=eng.cuda_graphs)
-    runner.capture()
+    try:
+        runner.capture()
+    except torch.OutOfMemoryError:  # the graphs' activations did not fit beside the planned pool
+        log.warning("no memory left to capture decode CUDA graphs after the pool was sized: decode "
+                    "runs eagerly (lower maxCacheSize or maxBatchSize to get them)")
+        torch.cuda.empty_cache()
+        return None
     return runner
