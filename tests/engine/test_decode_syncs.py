@@ -1,9 +1,9 @@
 """Host synchronisations per decode step, counted on this CPU (``testkit/drivers/sync_count.py`` says
 how): outside decision steps a ``full`` step reads back only the sampled ids and a ``conf-kv`` one
-also the step's positions (once, for every sequence's retention state). What is not reached yet is
-recorded exactly and marked as an expected failure with its reason: decision steps wait for the
-attention signal once per sequence (all layers in one pinned buffer). Step metadata is sent through
-preallocated host buffers copied ``non_blocking`` (pinned on CUDA), so no step makes a blocking send."""
+also the step's positions (once, for every sequence's retention state); a decision step waits once
+more, for the whole step's attention signal (``retention.scoring.score_batch``). Step metadata is
+sent through preallocated host buffers copied ``non_blocking`` (pinned on CUDA), so no step makes a
+blocking send."""
 
 from __future__ import annotations
 
@@ -83,21 +83,18 @@ def test_conf_kv_decode_step_outside_decisions_reads_back_at_most_twice(steps, p
 
 
 @pytest.mark.parametrize("policy,per_sequence", [("conf-kv", 0), ("conf-kv+tiers", 1)])
-def test_decision_step_read_backs_today(steps, policy: str, per_sequence: int) -> None:
-    """Recorded exactly: one wait per sequence for its attention signal (every layer's probabilities
-    copied into one host buffer; it was 2 read-backs per layer per sequence), precision tiers add one
-    list per sequence."""
+def test_decision_step_read_backs(steps, policy: str, per_sequence: int) -> None:
+    """Recorded exactly: one wait for the whole step's attention signal (every sequence's and every
+    layer's probabilities queued into host buffers first; it was one wait per sequence, and before
+    that 2 read-backs per layer per sequence), precision tiers add one list per sequence."""
     decisions = [c for decision, c in steps[policy] if decision]
     assert decisions
     for counter in decisions:
         kinds = _kinds(counter.syncs())
-        assert kinds[("wait", "retention/scoring.py")] == SEQS
-        assert len(counter.syncs()) == 2 + SEQS + per_sequence * SEQS
+        assert kinds[("wait", "retention/scoring.py")] == 1
+        assert len(counter.syncs()) == 3 + per_sequence * SEQS
 
 
-@pytest.mark.xfail(strict=True, reason="scoring waits for the attention probabilities once per "
-                   "sequence (retention.scoring.score_pending); device-resident accumulators read back "
-                   "once per decision step are not built yet")
 def test_decision_step_reads_back_once(steps) -> None:
     for counter in [c for decision, c in steps["conf-kv"] if decision]:
         assert len(counter.syncs()) <= 3

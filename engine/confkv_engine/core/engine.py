@@ -125,6 +125,8 @@ class LLMEngine(EngineControlSurface):
             results = self._run(scheduled)
         except torch.OutOfMemoryError:
             return self._recover_from_oom(scheduled)
+        # The step's decision points read the attention signal back with one wait for all sequences.
+        self.retention.score_decisions([(s.kv, s.policy_state, s.num_computed + n) for s, n in scheduled])
         for seq, n in scheduled:
             self._advance(seq, n, results.get(seq))
             if seq.finished or seq.reported_tokens < len(seq.output_token_ids):
