@@ -24,6 +24,7 @@ PROMPT, SEQS, STEPS = 40, 4, 40
 POLICIES = {
     "full": {"kvPolicy": "full"},
     "full+static": {"kvPolicy": "full"},  # the static-buffer decode path (CUDA graphs on CUDA)
+    "full+sampled": {"kvPolicy": "full"},  # temperature, top-k, top-p and a seed: the sampling inputs
     "conf-kv": {"kvPolicy": "conf-kv", "budget": 0.5},
     "conf-kv+tiers": {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": ["full", "int4", "int2"]},
 }
@@ -40,7 +41,8 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[bool
                                               "confkv": {**confkv, "maxCacheSize": "8Mi"}})
         parts = build_parts(loaded, config, static_decode=name.endswith("static"))
         engine = LLMEngine(loaded, config, parts=parts)
-        params = SamplingParams(temperature=0.0, max_tokens=STEPS + 2, ignore_eos=True)
+        sampled = dict(temperature=0.8, top_k=20, top_p=0.9, seed=1) if name.endswith("sampled") else {}
+        params = SamplingParams(**{"temperature": 0.0, **sampled}, max_tokens=STEPS + 2, ignore_eos=True)
         for i in range(SEQS):
             engine.add_request(f"r{i}", [5 + i] * PROMPT, params)
         engine.step()  # the prefill
@@ -57,8 +59,9 @@ def _kinds(events: list[tuple[str, str]]) -> Counter[tuple[str, str]]:
     return Counter((kind, where.split(":")[0]) for kind, where in events)
 
 
-def test_full_decode_step_reads_back_only_the_sampled_ids(steps) -> None:
-    for _, counter in steps["full"]:
+@pytest.mark.parametrize("policy", ["full", "full+sampled"])
+def test_full_decode_step_reads_back_only_the_sampled_ids(steps, policy: str) -> None:
+    for _, counter in steps[policy]:
         assert _kinds(counter.syncs()) == Counter({("tolist", "core/step_io.py"): 1})
 
 

@@ -75,3 +75,15 @@ class HostStaging:
             self._host[dtype], used = buf, 0
         self._used[dtype] = used + n
         return buf[used:used + n]
+
+
+def send_pinned(values: Sequence[int] | Sequence[float] | Tensor, device: torch.device,
+                dtype: torch.dtype | None = None) -> Tensor:
+    """``values`` on ``device`` without the host waiting, for small per-row sampling inputs built
+    where no ``HostStaging`` is at hand: a host tensor, pinned when the device is CUDA (PyTorch's
+    pinned allocator keeps the block until the queued copy has read it), copied ``non_blocking``.
+    On a CPU device the host tensor itself is returned."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
