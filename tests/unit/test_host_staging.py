@@ -34,13 +34,16 @@ def test_send_gives_fresh_tensors_with_the_values_and_dtype() -> None:
     assert not staging.pinned  # pinned only for a CUDA device
 
 
-def test_sends_past_the_capacity_grow_the_buffer_and_keep_earlier_tensors() -> None:
+def test_sends_past_the_capacity_take_a_fresh_buffer_and_keep_earlier_tensors() -> None:
     staging = HostStaging(torch.device("cpu"), capacity=4)
     first = staging.send([1, 2, 3])
     big = staging.send(list(range(10)))
     assert first.tolist() == [1, 2, 3] and big.tolist() == list(range(10))
     staging.begin_step()
     assert staging.send([7, 8]).tolist() == [7, 8] and first.tolist() == [1, 2, 3]
+    for _ in range(1000):  # many sends and no step: the buffer is replaced, never grown without bound
+        assert staging.send([5, 6, 7]).tolist() == [5, 6, 7]
+    assert staging.capacity(torch.long) <= 20
 
 
 def test_the_device_copy_is_asked_for_without_waiting() -> None:

@@ -11,7 +11,7 @@ its queued copy when step n+1 starts. Each send records a CUDA event on the curr
 sender's, so a side stream's sends are covered too), and ``begin_step`` waits for those events
 before the buffer is written from the start again. The engine's step already waits for the
 sampled ids after all of its copies were queued, so that wait finds them done. A buffer that
-fills up mid-step is replaced by a larger one (the old one stays alive as long as a queued copy
+fills up mid-step is replaced by a fresh one (the old one stays alive as long as a queued copy
 holds it: PyTorch's pinned allocator keeps a block until the copies reading it have completed).
 
 On a CPU device the same code runs: the copy is a plain memory copy into a fresh tensor, so a
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 INITIAL_CAPACITY = 1 << 14  # elements per dtype; a decode step of 64 sequences needs a few hundred
+MAX_EVENTS = 256
 
 
 class HostStaging:
@@ -61,15 +62,24 @@ class HostStaging:
             out = torch.empty(host.shape, dtype=dtype, device=self.device)
             out.view(-1).copy_(region, non_blocking=True)
             if self.pinned:
+                if len(self._events) >= MAX_EVENTS:  # sends with no step in between: drop done ones
+                    self._events = [e for e in self._events if not e.query()]
                 event = torch.cuda.Event()
                 event.record()
                 self._events.append(event)
         return out
 
+    def capacity(self, dtype: torch.dtype) -> int:
+        """Elements the host buffer of ``dtype`` holds now (0 before its first send)."""
+        buf = self._host.get(dtype)
+        return 0 if buf is None else buf.numel()
+
     def _region(self, dtype: torch.dtype, n: int) -> Tensor:
         buf, used = self._host.get(dtype), self._used.get(dtype, 0)
         if buf is None or used + n > buf.numel():
-            size = max(self._capacity, 2 * (used + n))
+            # A fresh buffer of the same size (larger only for a larger send): sends with no step
+            # in between (a worker's) never make it grow without bound.
+            size = max(self._capacity if buf is None else buf.numel(), 2 * n)
             with torch.inference_mode(False):  # a normal tensor: written inside and outside steps
                 buf = torch.empty(size, dtype=dtype, pin_memory=self.pinned)
             self._host[dtype], used = buf, 0

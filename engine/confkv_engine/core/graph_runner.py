@@ -153,7 +153,7 @@ class DecodeRunner:
         """Whether this step can run here (the module docstring lists what falls back)."""
         if not seqs or len(seqs) > self.sizes[-1] or any(n != 1 for n in num_new):
             return False
-        if any(st is not None for st in states):
+        if any(st is not None for st in states) or max(len(s.k_blocks) for s in seqs) > self.width:
             return False
         # Handles are negative (``block_pool.is_compressed``); min() keeps the scan in C.
         return not any(s.k_blocks and is_compressed(min(min(s.k_blocks), min(s.v_blocks))) for s in seqs)
