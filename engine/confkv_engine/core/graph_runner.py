@@ -153,7 +153,9 @@ class DecodeRunner:
         """Whether this step can run here (the module docstring lists what falls back)."""
         if not seqs or len(seqs) > self.sizes[-1] or any(n != 1 for n in num_new):
             return False
-        if any(st is not None for st in states) or max(len(s.k_blocks) for s in seqs) > self.width:
+        if any(st is not None for st in states):
+            return False
+        if max(max(len(s.k_blocks), len(s.v_blocks)) for s in seqs) > self.width:
             return False
         # Handles are negative (``block_pool.is_compressed``); min() keeps the scan in C.
         return not any(s.k_blocks and is_compressed(min(min(s.k_blocks), min(s.v_blocks))) for s in seqs)
@@ -188,7 +190,7 @@ class DecodeRunner:
         plan = self.cache.plan_writes(seqs, [1] * b, buf.positions[:b])
         buf.slots[0, :b].copy_(plan.k_index)
         buf.slots[1, :b].copy_(plan.v_index)
-        widest = max(len(s.k_blocks) for s in seqs)
+        widest = max(len(t) for s in seqs for t in (s.k_blocks, s.v_blocks))
         tables = [[*t, *[0] * (widest - len(t))] for s in seqs for t in (s.k_blocks, s.v_blocks)]
         sent = staging.send(tables, torch.int32).view(b, 2, widest).transpose(0, 1)
         buf.tables[:, :b, :widest].copy_(sent)
