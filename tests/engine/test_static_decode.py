@@ -140,3 +140,15 @@ def test_a_retained_sequence_sends_its_batch_down_the_eager_path(tmp_path: Path)
     eager = _stepped(_engine(loaded, False), requests)
     _assert_same(static[:2], eager[:2])
     assert static[2].output_token_ids == eager[2].output_token_ids
+
+
+def test_who_gets_a_runner(tmp_path: Path) -> None:
+    """CPU serving keeps the eager path unless asked (cudaGraphs is about CUDA); a pool no kernel
+    reads in place (int8) gets no runner even when asked."""
+    _, model_dir = make_tiny_hf_model("llama", tmp_path)
+    loaded = load_model(str(model_dir))
+    assert LLMEngine(loaded, _config()).decode_runner is None
+    assert _engine(loaded, True).decode_runner is not None
+    int8 = ConfKVConfig.model_validate({"engine": {"prefillChunk": 32, "maxBatchSize": 8},
+                                        "confkv": {"maxCacheSize": "16Mi", "kvCacheDtype": "int8"}})
+    assert _engine(loaded, True, int8).decode_runner is None
