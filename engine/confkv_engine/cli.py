@@ -54,6 +54,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "grpc_socket": ("engine", "grpc_socket"),
     "cache_dir": ("engine", "cache_dir"),
     "tensor_parallel": ("engine", "tensor_parallel"),
+    "cuda_graphs": ("engine", "cuda_graphs"),
     "max_cache_size": ("confkv", "max_cache_size"),
     "kv_cache_dtype": ("confkv", "kv_cache_dtype"),
     "kv_policy": ("confkv", "kv_policy"),
@@ -106,6 +107,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-batch-size", type=int, help="sequences decoded together (default 64)")
     add("--max-num-batched-tokens", type=int, help="token budget of one engine step (default 2048)")
     add("--prefill-chunk", type=int, help="prompt tokens prefilled per step per sequence (default 512)")
+    add("--enforce-eager", dest="cuda_graphs", action="store_const", const=False,
+        help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs captured at "
+             "padded batch sizes 1, 2, 4, 8, 16, 32, ... (engine.cudaGraphs false)")
     add("--max-waiting", type=int, help="requests allowed to wait before new ones get 429 (default 256)")
     add("--max-tokens-default", type=int, metavar="N",
         help="max_tokens of a chat completion that sends none (default: the rest of the context, as OpenAI)")
