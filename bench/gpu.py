@@ -7,7 +7,8 @@
 a. parity with transformers on the device: tiny random Llama and Qwen2 at the device's auto dtype
    (bf16 on CUDA, fp32 on CPU); the engine's greedy tokens equal ``generate``'s, logits close;
 b. tokens/s of ``LLMEngine`` vs transformers ``generate`` (sdpa, static cache) at 1 / 32 / 128
-   concurrent requests of the same prompts, on a random Llama-3-8B-shaped model;
+   concurrent requests of the same prompts, on a random Llama-3-8B-shaped model; the engine decodes
+   through CUDA graphs (its default on CUDA), ``--enforce-eager`` runs it without them;
 c. the deployment guide's scenario on a random Qwen2.5-32B-shaped model: the peak KV bytes one
    request holds while generating 4,000 tokens under ``full``, ``conf-kv`` at the guide's ratio
    (9.2 / 15.8 of the full cache) and at 0.25, and ``conf-kv`` with precision tiers, all four in one
@@ -124,9 +125,12 @@ def random_ours(name: str, dtype: torch.dtype, device: str, seed: int) -> LlamaF
     return build_model(args, tensors(), dtype, device)
 
 
-def engine_for(model: LlamaForCausalLM, max_len: int, batch: int, pool: str | None) -> LLMEngine:
+def engine_for(model: LlamaForCausalLM, max_len: int, batch: int, pool: str | None,
+               cuda_graphs: bool = True) -> LLMEngine:
+    """``cuda_graphs``: decode through CUDA graphs on CUDA (the engine's default); False: eager."""
     config = ConfKVConfig.model_validate({
-        "engine": {"maxBatchSize": batch, "maxNumBatchedTokens": 4096, "prefillChunk": 512},
+        "engine": {"maxBatchSize": batch, "maxNumBatchedTokens": 4096, "prefillChunk": 512,
+                   "cudaGraphs": cuda_graphs},
         "confkv": {"maxCacheSize": pool}})
     return LLMEngine(loaded(model, max_len), config)
 
@@ -168,7 +172,8 @@ def throughput(device: str, dtype: torch.dtype, p: dict[str, Any]) -> list[dict[
     hf = random_hf_model(p["b_model"], dtype, device, seed=0)
     ours = ours_from_hf(hf, dtype, device)
     vocab, new = hf.config.vocab_size, p["b_new"]
-    engine = engine_for(ours, p["b_prompt"] + new + 16, max(p["levels"]), p["pool"])
+    graphs = p.get("cuda_graphs", True)
+    engine = engine_for(ours, p["b_prompt"] + new + 16, max(p["levels"]), p["pool"], graphs)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     rows = []
     for level in p["levels"]:
@@ -190,7 +195,7 @@ def throughput(device: str, dtype: torch.dtype, p: dict[str, Any]) -> list[dict[
         hf_s = time.perf_counter() - start
         rows.append({"model": p["b_model"], "concurrent": level, "new_tokens": new,
                      "confkv_tok_s": level * new / ours_s, "transformers_tok_s": level * new / hf_s,
-                     "ratio": hf_s / ours_s})
+                     "ratio": hf_s / ours_s, "cuda_graphs": graphs and device.startswith("cuda")})
     del engine, ours, hf
     return rows
 
@@ -293,7 +298,8 @@ def table(result: dict[str, Any]) -> str:
     for row in result.get("b", []):
         lines.append(f"b  {row['model']:<12} {row['concurrent']:>4} concurrent: "
                      f"confkv {row['confkv_tok_s']:9.1f} tok/s, "
-                     f"transformers {row['transformers_tok_s']:9.1f} tok/s ({row['ratio']:.2f}x)")
+                     f"transformers {row['transformers_tok_s']:9.1f} tok/s ({row['ratio']:.2f}x)"
+                     f"{', CUDA graphs' if row.get('cuda_graphs') else ''}")
     for row in result.get("c", []):
         lines.append(f"c  {row['policy']:<22} {row['generated']} tokens: "
                      f"peak KV {_size(row['peak_kv_bytes'])}, "
@@ -323,12 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-model", default="builtin:smollm2-135m",
                         help="section e's model (a checkpoint: its heads must divide by each degree)")
     parser.add_argument("--tp-degrees", default="3", help="section e's degrees, comma-separated (default 3)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="section b without CUDA graphs (the engine's --enforce-eager), for a peer run")
     parser.add_argument("--out", type=Path, help="JSON path (default bench/results/gpu[-quick|-tiny].json)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     name = "tiny" if args.tiny else "quick" if args.quick else "full"
     degrees = tuple(int(d) for d in args.tp_degrees.split(","))
-    result = run(PROFILES[name], device, args.sections, args.tp_model, degrees)
+    profile = {**PROFILES[name], "cuda_graphs": not args.enforce_eager}
+    result = run(profile, device, args.sections, args.tp_model, degrees)
     out = args.out or RESULTS / f"gpu{'' if name == 'full' else '-' + name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -24,16 +24,24 @@ OPEN_SCHEMA = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 OPTIONAL_CRDS = {"monitoring": (("monitoring.coreos.com", "v1", "ServiceMonitor", "servicemonitors"),
                                  ("monitoring.coreos.com", "v1", "PrometheusRule", "prometheusrules")),
                   "keda": (("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),),
-                  "inference": (("inference.networking.k8s.io", "v1", "InferencePool", "inferencepools"),)}
+                  "inference": (("inference.networking.k8s.io", "v1", "InferencePool", "inferencepools"),),
+                  "lws": (("leaderworkerset.x-k8s.io", "v1", "LeaderWorkerSet", "leaderworkersets"),)}
 
 
-def install_crds(api: Any, monitoring: bool = False, keda: bool = False, inference: bool = False) -> None:
-    """The ConfKVDeployment CRD, and optionally minimal prometheus-operator, KEDA and Inference
-    Extension CRDs (open schemas: the contract tests validate against the real ones)."""
+def install_crds(api: Any, monitoring: bool = False, keda: bool = False, inference: bool = False,
+                 lws: bool = False) -> None:
+    """The ConfKVDeployment CRD, and optionally minimal prometheus-operator, KEDA, Inference
+    Extension and LeaderWorkerSet CRDs (open schemas: the contract tests validate against the real ones)."""
     api.create(yaml.safe_load(CRD_PATH.read_text()))
-    wanted = {"monitoring": monitoring, "keda": keda, "inference": inference}
-    for group, version, kind, plural in (crd for key, crds in OPTIONAL_CRDS.items() if wanted[key]
-                                         for crd in crds):
+    wanted = {"monitoring": monitoring, "keda": keda, "inference": inference, "lws": lws}
+    for key in (key for key in OPTIONAL_CRDS if wanted[key]):
+        install_optional_crds(api, key)
+
+
+def install_optional_crds(api: Any, key: str) -> None:
+    """The minimal CRDs of one ``OPTIONAL_CRDS`` entry (also into a running emulator: an operator
+    already running discovers them at its next resync)."""
+    for group, version, kind, plural in OPTIONAL_CRDS[key]:
         api.create({
             "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
             "metadata": {"name": f"{plural}.{group}"},

@@ -125,6 +125,9 @@ class EngineSection(_Model):
     # the first, read-backs the second, compression's encodes the rest in turn (with one or two
     # streams they share). Ignored on CPU, where the same code runs inline.
     cuda_streams: int = Field(default=4, ge=1, le=64)
+    # Decode steps replay CUDA graphs captured at padded batch sizes (CUDA only; vLLM's opposite
+    # switch is --enforce-eager). Off: every step runs eagerly.
+    cuda_graphs: bool = True
     # Largest HTTP request body (bytes); larger ones get 413 before they are read or parsed.
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=2**30)
     # max_tokens of a chat completion that sends none (unset: the rest of the context, as OpenAI);

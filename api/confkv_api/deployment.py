@@ -1,10 +1,11 @@
 """The ``spec`` of a ConfKVDeployment CR (operator only; not part of ``confkv.json``).
 
-The first five groups are the ``confkv.json`` sections; the others (replicas, resources, storage,
-images, and the sections of ``cluster``: pod, monitoring, networkPolicy, autoscaling, inferencePool)
-only shape the pod and the objects around it. ``engine`` is the engine section plus deployment-only
-fields (``apiKeySecretRef``) that the operator turns into pod settings and strips before writing
-``confkv.json``.
+The first five groups are the ``confkv.json`` sections; the others (replicas, nodes, resources,
+storage, images, and the sections of ``cluster``: pod, monitoring, networkPolicy, autoscaling,
+inferencePool) only shape the pod and the objects around it, except that nodes x gpusPerPod becomes
+``engine.tensorParallel`` on GPU pods (``DeploymentSpec.tensor_parallel_degree``). ``engine`` is
+the engine section plus deployment-only fields (``apiKeySecretRef``) that the operator turns into
+pod settings and strips before writing ``confkv.json``.
 
 Checks that need the operator's own settings (the hostPath allow-list) are not here: the operator
 applies them on top of this model (``confkv_operator.hostpaths``). What is here is also in the CRD's
@@ -50,6 +51,8 @@ HOST_PATH_PATTERN = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
 #: Secret names are DNS subdomains; data keys are [-._a-zA-Z0-9]+ (core/v1 validation).
 SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+#: engine.tensorParallel's upper bound (EngineSection).
+MAX_TENSOR_PARALLEL = 64
 
 
 def _snake(camel: str) -> str:
@@ -107,7 +110,8 @@ class ResourceQuantities(_Model):
 class ResourcesSpec(_Model):
     """Per-pod resources of the engine container; ``gpusPerPod`` > 0 adds ``nvidia.com/gpu`` limits."""
 
-    gpus_per_pod: int = Field(default=0, ge=0, le=16)  # > 1 refused by DeploymentSpec, for now
+    # > 1: the engine shards the model over the pod's GPUs (tensor parallel, one rank per GPU).
+    gpus_per_pod: int = Field(default=0, ge=0, le=16)
     requests: ResourceQuantities = ResourceQuantities()
     limits: ResourceQuantities = ResourceQuantities()
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -185,6 +189,9 @@ class DeploymentSpec(_Model):
     alerts: AlertsSection = AlertsSection()
     remediation: RemediationSection = RemediationSection()
     replicas: int = Field(default=1, ge=0, le=1000)
+    # Pods per serving group: > 1 renders a LeaderWorkerSet whose groups of ``nodes`` pods form one
+    # tensor-parallel group (``tensor_parallel_degree``); ``replicas`` counts groups.
+    nodes: int = Field(default=1, ge=1, le=64)
     resources: ResourcesSpec = ResourcesSpec()
     cache_storage: CacheStorageSpec = CacheStorageSpec()
     model_storage: ModelStorageSpec = ModelStorageSpec()
@@ -205,11 +212,34 @@ class DeploymentSpec(_Model):
             )
         if self.model.token_secret_ref and not self.model.hf_id:
             raise ValueError("model.tokenSecretRef is only used with model.hfId")
-        if self.resources.gpus_per_pod > 1:
-            # The engine drives one GPU; more would be held idle until tensor parallelism lands.
-            raise ValueError(f"resources.gpusPerPod {self.resources.gpus_per_pod} is not supported yet: the "
-                             "engine uses one GPU per pod (scale out with replicas instead)")
+        self._check_parallelism()
         return self
+
+    def _check_parallelism(self) -> None:
+        """``engine.tensorParallel`` is the whole group's degree: on GPU pods the operator derives it
+        (nodes x gpusPerPod), so a different explicit value is a contradiction; on CPU pods it is
+        given and must split evenly over the nodes. Whether the degree divides the model's heads is
+        known only once the engine reads the checkpoint (it refuses at start, with the numbers)."""
+        gpus, nodes, given = self.resources.gpus_per_pod, self.nodes, self.engine.tensor_parallel
+        if gpus > 0 and given not in (1, nodes * gpus):
+            raise ValueError(f"engine.tensorParallel {given} contradicts nodes x resources.gpusPerPod = "
+                             f"{nodes * gpus} (leave it unset: the operator sets it from the GPUs)")
+        if nodes * gpus > MAX_TENSOR_PARALLEL:
+            raise ValueError(f"nodes x resources.gpusPerPod = {nodes * gpus} exceeds the largest "
+                             f"tensor-parallel degree, {MAX_TENSOR_PARALLEL}")
+        if gpus == 0 and given % nodes:
+            raise ValueError(f"engine.tensorParallel {given} must be a multiple of nodes ({nodes}) on "
+                             "CPU pods")
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        """Ranks in one serving group: nodes x gpusPerPod on GPU pods, else engine.tensorParallel."""
+        gpus = self.resources.gpus_per_pod
+        return self.nodes * gpus if gpus > 0 else self.engine.tensor_parallel
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return self.tensor_parallel_degree // self.nodes
 
     def engine_section(self) -> EngineSection:
         """The engine settings as ``confkv.json`` holds them (deployment-only fields dropped)."""

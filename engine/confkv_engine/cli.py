@@ -19,6 +19,12 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from confkv_api.config import ConfigError, ConfKVConfig, dump_config, load_config_file, with_overrides
+from confkv_engine.parallel.topology import (
+    DEFAULT_JOIN_TIMEOUT_SECONDS,
+    DEFAULT_MASTER_PORT,
+    Topology,
+    TopologyError,
+)
 
 if TYPE_CHECKING:
     from confkv_agent.launcher import AgentProcess
@@ -48,6 +54,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "grpc_socket": ("engine", "grpc_socket"),
     "cache_dir": ("engine", "cache_dir"),
     "tensor_parallel": ("engine", "tensor_parallel"),
+    "cuda_graphs": ("engine", "cuda_graphs"),
     "max_cache_size": ("confkv", "max_cache_size"),
     "kv_cache_dtype": ("confkv", "kv_cache_dtype"),
     "kv_policy": ("confkv", "kv_policy"),
@@ -100,6 +107,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-batch-size", type=int, help="sequences decoded together (default 64)")
     add("--max-num-batched-tokens", type=int, help="token budget of one engine step (default 2048)")
     add("--prefill-chunk", type=int, help="prompt tokens prefilled per step per sequence (default 512)")
+    add("--enforce-eager", dest="cuda_graphs", action="store_const", const=False,
+        help="on CUDA, run every decode step eagerly instead of replaying CUDA graphs captured at "
+             "padded batch sizes 1, 2, 4, 8, 16, 32, ... (engine.cudaGraphs false)")
     add("--max-waiting", type=int, help="requests allowed to wait before new ones get 429 (default 256)")
     add("--max-tokens-default", type=int, metavar="N",
         help="max_tokens of a chat completion that sends none (default: the rest of the context, as OpenAI)")
@@ -135,6 +145,20 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--tensor-parallel", "--tp", type=int, metavar="N",
         help="shard the model over N ranks on this machine (one per GPU; gloo processes on CPU); "
              "N must divide the model's query and KV heads (default 1)")
+    add("--nnodes", type=int, metavar="M",
+        help="machines the --tensor-parallel group spans (torchrun's --nnodes; default 1); each runs "
+             "N/M ranks")
+    add("--node-rank", type=int, metavar="R",
+        help="this machine's index in the group (default 0): 0 serves HTTP, the others only follow it")
+    add("--master-addr", metavar="HOST",
+        help="address of node 0, where the group meets (default 127.0.0.1; under a LeaderWorkerSet "
+             "$(LWS_LEADER_ADDRESS))")
+    add("--master-port", type=int, metavar="PORT",
+        help=f"TCP port of the group's rendezvous on node 0 (needed with --nnodes > 1; torchrun's default "
+             f"is {DEFAULT_MASTER_PORT})")
+    add("--join-timeout", type=_seconds, metavar="S",
+        help=f"seconds the nodes of a --nnodes group may take to meet before it gives up (default "
+             f"{DEFAULT_JOIN_TIMEOUT_SECONDS:.0f})")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -191,10 +215,19 @@ def _announce(host: str, port: int) -> Callable[[str], None]:
     return loaded
 
 
+def build_topology(args: argparse.Namespace, config: ConfKVConfig) -> Topology:
+    """The group's node layout from the flags; raises TopologyError naming the problem."""
+    master_addr = getattr(args, "master_addr", None) or "127.0.0.1"
+    return Topology(config.engine.tensor_parallel, getattr(args, "nnodes", None) or 1,
+                    getattr(args, "node_rank", None) or 0, master_addr, getattr(args, "master_port", None),
+                    getattr(args, "join_timeout", None) or DEFAULT_JOIN_TIMEOUT_SECONDS)
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
-    except ConfigError as err:
+        topology = build_topology(args, config)
+    except (ConfigError, TopologyError) as err:
         print(f"confkv: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     from confkv_engine.core.async_engine import configure_torch_threads
@@ -211,16 +244,24 @@ def serve(args: argparse.Namespace) -> int:
         return EXIT_NO_DEVICE
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not topology.leads:  # a follower node: no HTTP, no control plane, no agent
+        from confkv_engine.parallel.launch import serve_node
+
+        return _exit(serve_node(config, topology))
     from confkv_engine.server import run_server
 
     agent = _start_agent(args, config) if getattr(args, "with_agent", False) else None
     try:
         status = run_server(config, log_level=args.log_level,
                             on_loaded=_announce(config.engine.host, config.engine.port),
-                            **_timeouts(args))
+                            topology=topology if topology.nodes > 1 else None, **_timeouts(args))
     finally:  # uvicorn exits through SystemExit when it cannot bind the port
         if agent is not None:
             agent.stop()
+    return _exit(status)
+
+
+def _exit(status: int) -> int:
     # Requests are drained and the engine thread is stopped; interpreter teardown (freeing the
     # model, torch's state) adds seconds to every pod termination and has nothing left to save.
     sys.stdout.flush()

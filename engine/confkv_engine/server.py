@@ -44,6 +44,7 @@ from confkv_engine.http.serving import OpenAIServing
 
 if TYPE_CHECKING:
     from confkv_engine.core.engine import LLMEngine
+    from confkv_engine.parallel.topology import Topology
 
 log = logging.getLogger("confkv.server")
 
@@ -80,8 +81,10 @@ def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], None],
 class ServerState:
     """The server's state (``http.app.ServedState``); the engine parts are filled in by the loader thread."""
 
-    def __init__(self, config: ConfKVConfig, on_load_failed: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: ConfKVConfig, on_load_failed: Callable[[], None] | None = None,
+                 topology: Topology | None = None) -> None:
         self.config = config
+        self.topology = topology  # the tensor-parallel group's nodes (None: every rank on this machine)
         self.metrics = EngineMetrics()
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
@@ -112,7 +115,7 @@ class ServerState:
             cfg = self.config
             if cfg.engine.tensor_parallel > 1:  # rank 0 of a group it spawns (parallel.launch)
                 from confkv_engine.parallel.launch import start_leader
-                loaded, core = start_leader(cfg, self.metrics.registry)
+                loaded, core = start_leader(cfg, self.metrics.registry, self.topology)
             else:
                 device = resolve_device(cfg.engine.device)
                 loaded = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype, device), device,
@@ -261,15 +264,15 @@ class DrainingServer(uvicorn.Server):
 def run_server(config: ConfKVConfig, log_level: str = "info",
                on_loaded: Callable[[str], None] | None = None,
                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
-               header_timeout: float = DEFAULT_HEADER_TIMEOUT_S) -> int:
+               header_timeout: float = DEFAULT_HEADER_TIMEOUT_S, topology: Topology | None = None) -> int:
     """Serve until SIGTERM/SIGINT and the drain; returns the process exit status (1 when the model
-    failed to load or the control plane cannot start)."""
+    failed to load or the control plane cannot start). ``topology``: rank 0 of a group across nodes."""
     holder: dict[str, DrainingServer] = {}
 
     def stop() -> None:
         holder["server"].should_exit = True
 
-    state = ServerState(config, on_load_failed=stop)
+    state = ServerState(config, on_load_failed=stop, topology=topology)
     from confkv_engine.control.servicer import ControlPlaneError
 
     try:

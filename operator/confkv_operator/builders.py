@@ -1,8 +1,9 @@
 """Pure builders: a validated spec in, Kubernetes object dicts out (no I/O, no Kopf).
 
-Names: the Deployment, Service, PodDisruptionBudget, NetworkPolicy, ServiceMonitor, PrometheusRule,
-HPA/ScaledObject and InferencePool carry the CR's name; the ConfigMap is ``<name>-config``; the
-metrics Service ``<name>-metrics``; the agent's ServiceAccount, Role and RoleBinding are ``<name>-agent``.
+Names: the Deployment (or, for ``nodes > 1``, the LeaderWorkerSet), Service, PodDisruptionBudget,
+NetworkPolicy, ServiceMonitor, PrometheusRule, HPA/ScaledObject and InferencePool carry the CR's
+name; the ConfigMap is ``<name>-config``; the metrics Service ``<name>-metrics``; the agent's
+ServiceAccount, Role and RoleBinding are ``<name>-agent``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from confkv_api.config import ConfKVConfig, dump_config
 from confkv_api.deployment import DeploymentSpec
 
 from . import names as n
+from .groups import LWS_KIND, build_leader_worker_set
 from .monitoring import build_prometheus_rule
 from .network import build_metrics_service, build_network_policy, build_service, build_service_monitor
 from .pod import build_deployment
@@ -31,6 +33,8 @@ def engine_config(spec: DeploymentSpec) -> ConfKVConfig:
         "grpc_socket": f"{n.SOCKET_DIR}/engine.sock",  # shared emptyDir, never on the network
         "cache_dir": spec.cache_storage.mount_path,
         "api_key": None,
+        # The whole group's degree: nodes x gpusPerPod on GPU pods (DeploymentSpec.tensor_parallel_degree).
+        "tensor_parallel": spec.tensor_parallel_degree,
     })
     return ConfKVConfig(model=spec.model, engine=engine, confkv=spec.confkv, alerts=spec.alerts,
                         remediation=spec.remediation)
@@ -77,7 +81,18 @@ def build_pdb(name: str) -> Obj:
 
 
 #: Kinds from optional CRDs the operator renders when the cluster serves them.
-OPTIONAL_KINDS = frozenset({"ServiceMonitor", "PrometheusRule", "ScaledObject", "InferencePool"})
+OPTIONAL_KINDS = frozenset({"ServiceMonitor", "PrometheusRule", "ScaledObject", "InferencePool", LWS_KIND})
+
+
+def build_workload(name: str, spec: DeploymentSpec, settings: OperatorSettings,
+                   served: frozenset[str], native_sidecars: bool) -> Obj | None:
+    """The Deployment, or for ``nodes > 1`` the LeaderWorkerSet (None when its API is not served:
+    the status says so, ``status.missing_api_status``)."""
+    if spec.nodes == 1:
+        return build_deployment(name, spec, settings, native_sidecars)
+    if LWS_KIND in served:
+        return build_leader_worker_set(name, spec, settings, native_sidecars)
+    return None
 
 
 def build_children(name: str, namespace: str, spec: DeploymentSpec, settings: OperatorSettings,
@@ -85,12 +100,13 @@ def build_children(name: str, namespace: str, spec: DeploymentSpec, settings: Op
     """Every child of one CR, in creation order (claims excluded: ``build_claims``). ``served`` holds
     the optional kinds whose CRDs exist (``OPTIONAL_KINDS``); ``native_sidecars``: the cluster runs
     init containers with ``restartPolicy: Always``."""
+    workload = build_workload(name, spec, settings, served, native_sidecars)
     children = [
         build_config_map(name, spec),
         build_service_account(name),
         build_role(name),
         build_role_binding(name, namespace),
-        build_deployment(name, spec, settings, native_sidecars),
+        *([workload] if workload is not None else []),
         build_service(name, spec),
         build_metrics_service(name, spec, settings),
         build_pdb(name),

@@ -18,6 +18,7 @@ from confkv_api.deployment import DeploymentSpec, load_deployment_spec
 
 from . import names as n
 from .builders import build_children
+from .groups import LWS_API_VERSION, LWS_KIND, serving_selector
 from .hostpaths import HostPathRefused, split_host_path
 from .kube import Kube, KubeError
 from .podstatus import pods_report
@@ -28,6 +29,7 @@ from .status import (
     invalid_status,
     last_remediation,
     merge_conditions,
+    missing_api_status,
     open_api_message,
     status_delta,
 )
@@ -37,13 +39,16 @@ log = logging.getLogger(__name__)
 #: group/version -> the optional kinds looked up there (``builders.OPTIONAL_KINDS``).
 _OPTIONAL_GROUPS = {"monitoring.coreos.com/v1": {"ServiceMonitor", "PrometheusRule"},
                     "keda.sh/v1alpha1": {"ScaledObject"},
-                    "inference.networking.k8s.io/v1": {"InferencePool"}}
+                    "inference.networking.k8s.io/v1": {"InferencePool"},
+                    LWS_API_VERSION: {LWS_KIND}}
 #: Children a spec can switch off, named after the CR: deleted when no longer wanted.
 SWITCHABLE_KINDS = (("networking.k8s.io/v1", "NetworkPolicy"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
                     ("monitoring.coreos.com/v1", "PrometheusRule"),
                     ("autoscaling/v2", "HorizontalPodAutoscaler"), ("keda.sh/v1alpha1", "ScaledObject"),
-                    ("inference.networking.k8s.io/v1", "InferencePool"))
-_ALWAYS_SERVED = frozenset({"NetworkPolicy", "HorizontalPodAutoscaler"})
+                    ("inference.networking.k8s.io/v1", "InferencePool"),
+                    # The workload switches with spec.nodes: a Deployment for 1, a LeaderWorkerSet above.
+                    ("apps/v1", "Deployment"), (LWS_API_VERSION, LWS_KIND))
+_ALWAYS_SERVED = frozenset({"NetworkPolicy", "HorizontalPodAutoscaler", "Deployment"})
 #: Native sidecars (init containers with restartPolicy Always) are on by default from Kubernetes 1.29.
 _NATIVE_SIDECAR_MINOR = 29
 
@@ -106,12 +111,32 @@ def _ensure_claims(kube: Kube, body: kopf.Body, spec: DeploymentSpec) -> int:
 def _prune(kube: Kube, body: kopf.Body, children: list[dict[str, Any]], served: frozenset[str]) -> int:
     """Delete the switchable children the spec no longer asks for (monitoring off, no autoscaling, ...)."""
     wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
+    if not any(c["kind"] in ("Deployment", LWS_KIND) for c in children):
+        # The LeaderWorkerSet cannot be made (its API is missing): the running pods keep serving.
+        wanted.add(("Deployment", body.metadata.name))
     name, namespace, uid = body.metadata.name, body.metadata.namespace, body.metadata.uid
     deleted = 0
     for api_version, kind in SWITCHABLE_KINDS:
         if (kind in _ALWAYS_SERVED or kind in served) and (kind, name) not in wanted:
             deleted += kube.delete_owned(api_version, kind, namespace, name, uid)
     return deleted
+
+
+def _status(kube: Kube, body: kopf.Body, spec: DeploymentSpec, served: frozenset[str],
+            pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """The status from the workload (Deployment or LeaderWorkerSet) and the pods."""
+    name, namespace = body.metadata.name, body.metadata.namespace
+    generation = body.metadata.get("generation") or 0
+    if spec.nodes > 1 and LWS_KIND not in served:
+        return missing_api_status(
+            f"spec.nodes {spec.nodes} needs the LeaderWorkerSet API ({LWS_API_VERSION}), which this cluster "
+            "does not serve: install the LeaderWorkerSet controller (https://lws.sigs.k8s.io), or set "
+            "nodes to 1", generation)
+    api_version, kind = (LWS_API_VERSION, LWS_KIND) if spec.nodes > 1 else ("apps/v1", "Deployment")
+    workload = kube.get(api_version, kind, namespace, name)
+    selector = ",".join(f"{k}={v}" for k, v in sorted(serving_selector(name, spec).items()))
+    return compute_status(name, namespace, spec.engine.port, spec.model.hf_id or spec.model.source,
+                          spec.replicas, generation, workload, pods_report(pods), selector=selector)
 
 
 def sync(body: kopf.Body, spec: DeploymentSpec, memo: kopf.Memo, patch: kopf.Patch) -> dict[str, int]:
@@ -127,12 +152,10 @@ def sync(body: kopf.Body, spec: DeploymentSpec, memo: kopf.Memo, patch: kopf.Pat
     for child in children:
         counts[kube.ensure(child)] += 1
     counts["deleted"] = _prune(kube, body, children, served)
-    deployment = kube.get("apps/v1", "Deployment", namespace, name)
     pods = kube.list_pods(namespace, n.selector_string(name))
-    generation = body.metadata.get("generation") or 0
-    desired = compute_status(name, namespace, spec.engine.port, spec.model.hf_id or spec.model.source,
-                             spec.replicas, generation, deployment, pods_report(pods))
+    desired = _status(kube, body, spec, served, pods)
     ref = spec.engine.api_key_secret_ref
+    generation = body.metadata.get("generation") or 0
     desired["conditions"].append(auth_condition(name, (ref.name, ref.key) if ref else None, generation))
     remediation = last_remediation(pods)
     if remediation:

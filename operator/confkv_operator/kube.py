@@ -36,7 +36,7 @@ _PLURALS = {
     "PrometheusRule": "prometheusrules", "ConfKVDeployment": "confkvdeployments",
     "PersistentVolumeClaim": "persistentvolumeclaims", "NetworkPolicy": "networkpolicies",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "ScaledObject": "scaledobjects",
-    "InferencePool": "inferencepools",
+    "InferencePool": "inferencepools", "LeaderWorkerSet": "leaderworkersets",
 }
 MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"

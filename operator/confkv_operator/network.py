@@ -9,8 +9,9 @@ into the series' ``service`` label, which the alert rules and the dashboard sele
 The NetworkPolicy (``spec.networkPolicy``, on by default) admits the engine's port from the ``apiFrom``
 peers (default: pods of the same namespace) and from the ``metricsFrom`` peers (default: the
 ``monitoring`` namespace; the engine serves /metrics on its API port), and the agent's port from the
-``metricsFrom`` peers only. Everything else is denied ingress; egress is left alone (the fetch init
-container downloads from Hugging Face).
+``metricsFrom`` peers only; with ``nodes > 1`` the CR's own pods reach each other on every port
+(the tensor-parallel group's rendezvous and collectives). Everything else is denied ingress; egress
+is left alone (the fetch init container downloads from Hugging Face).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from confkv_api.deployment import DeploymentSpec
 
 from . import names as n
+from .groups import serving_selector
 from .settings import OperatorSettings
 
 Obj = dict[str, Any]
@@ -35,7 +37,7 @@ def build_service(name: str, spec: DeploymentSpec) -> Obj:
         "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, name),
         "spec": {
             "type": "ClusterIP",
-            "selector": n.selector_labels(name),
+            "selector": serving_selector(name, spec),
             "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -47,7 +49,7 @@ def build_metrics_service(name: str, spec: DeploymentSpec, settings: OperatorSet
         "metadata": _meta(n.metrics_service_name(name), name, {METRICS_LABEL: "true"}),
         "spec": {
             "clusterIP": "None",  # Prometheus scrapes each pod; nothing balances over this Service
-            "selector": n.selector_labels(name),
+            "selector": serving_selector(name, spec),
             "ports": [
                 {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"},
                 {"name": "agent-http", "port": settings.agent_port, "targetPort": "agent-http",
@@ -75,6 +77,8 @@ def build_network_policy(name: str, spec: DeploymentSpec, settings: OperatorSett
     rules = [{"from": [*policy.api_from, *policy.metrics_from], "ports": [api_port]}]
     if policy.metrics_from:
         rules.append({"from": list(policy.metrics_from), "ports": [agent_port]})
+    if spec.nodes > 1:  # a group's ranks talk to each other on ports NCCL and gloo pick at run time
+        rules.append({"from": [{"podSelector": {"matchLabels": n.selector_labels(name)}}]})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(name, name),
         "spec": {"podSelector": {"matchLabels": n.selector_labels(name)}, "policyTypes": ["Ingress"],

@@ -38,6 +38,9 @@ STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURES = 180  # x 10 s: a 32B model may load for up to 30 minutes
 DOWNLOAD_ALLOWANCE_SECONDS = 3600  # ~65 GB at ~20 MB/s, the slow end of a Hugging Face download
 PULL_ALLOWANCE_SECONDS = 600  # scheduling and pulling a multi-GB CUDA image
+#: /dev/shm of a tensor-parallel pod without pod.shmSize (memory-backed: it counts against the pod's
+#: memory). vLLM's and KServe's multi-GPU examples mount a few GiB; NCCL's buffers need far less.
+TP_SHM_SIZE = "2Gi"
 
 _CONTAINER_SECURITY = {
     "runAsNonRoot": True,
@@ -57,6 +60,14 @@ def restart_checksum(spec: DeploymentSpec) -> str:
 
 def uses_model_volume(spec: DeploymentSpec) -> bool:
     return bool(spec.model.hf_id or spec.model_storage.claim_name)
+
+
+def shm_size(spec: DeploymentSpec) -> str | None:
+    """The /dev/shm emptyDir's size: ``pod.shmSize``, else ``TP_SHM_SIZE`` for a pod whose ranks talk
+    to each other (NCCL's intra-node transport and gloo use shared memory), else none."""
+    if spec.pod.shm_size:
+        return spec.pod.shm_size
+    return TP_SHM_SIZE if spec.tensor_parallel_degree > 1 else None
 
 
 def _env(name: str) -> list[dict[str, Any]]:
@@ -121,7 +132,7 @@ def _engine_mounts(spec: DeploymentSpec, settings: OperatorSettings) -> list[dic
     ]
     if uses_model_volume(spec):
         mounts.append({"name": "model", "mountPath": spec.model_storage.mount_path, "readOnly": True})
-    if spec.pod.shm_size:
+    if shm_size(spec):
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     mounts += [m.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True) | {"name": m.name}
                for m in spec.pod.volume_mounts]
@@ -233,9 +244,10 @@ def _volumes(name: str, spec: DeploymentSpec, settings: OperatorSettings) -> lis
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim}} if claim else
                        {"name": "model", "emptyDir": {"sizeLimit": spec.model_storage.size}
                         if spec.model_storage.size else {}})
-    if spec.pod.shm_size:
+    size = shm_size(spec)
+    if size:
         # NCCL and PyTorch's shared-memory tensors outgrow the runtime's 64 MiB /dev/shm.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}})
     return volumes + [dict(volume) for volume in spec.pod.volumes]
 
 
@@ -288,6 +300,20 @@ def _pod_spec(name: str, spec: DeploymentSpec, settings: OperatorSettings,
     return {**pod, **_scheduling(spec)}
 
 
+def pod_template(name: str, spec: DeploymentSpec, settings: OperatorSettings,
+                 native_sidecars: bool = True) -> dict[str, Any]:
+    """The serving pod's template (engine and agent), ``spec.pod.template`` merged over it: the
+    Deployment's, and the start of a LeaderWorkerSet's leader and worker templates (``groups``)."""
+    template = {
+        "metadata": {
+            "labels": {**spec.pod.labels, **n.common_labels(name)},
+            "annotations": {**spec.pod.annotations, n.RESTART_CHECKSUM_ANNOTATION: restart_checksum(spec)},
+        },
+        "spec": _pod_spec(name, spec, settings, native_sidecars),
+    }
+    return merge_template(template, spec.pod.template) if spec.pod.template else template
+
+
 def build_deployment(name: str, spec: DeploymentSpec, settings: OperatorSettings,
                      native_sidecars: bool = True) -> dict[str, Any]:
     """The serving Deployment. Policy sections never reach the template (they are applied live).
@@ -296,15 +322,7 @@ def build_deployment(name: str, spec: DeploymentSpec, settings: OperatorSettings
     strategy = ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
                 if spec.resources.gpus_per_pod > 0 else
                 {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
-    template = {
-        "metadata": {
-            "labels": {**spec.pod.labels, **n.common_labels(name)},
-            "annotations": {**spec.pod.annotations, n.RESTART_CHECKSUM_ANNOTATION: restart_checksum(spec)},
-        },
-        "spec": _pod_spec(name, spec, settings, native_sidecars),
-    }
-    if spec.pod.template:
-        template = merge_template(template, spec.pod.template)
+    template = pod_template(name, spec, settings, native_sidecars)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -18,11 +18,12 @@ Verb by verb, what each permission is for:
 - ``pods`` list: the agents' last-remediation annotations for the status. No pod writes of its own.
 - children (configmaps, services, serviceaccounts, deployments, poddisruptionbudgets, roles, rolebindings,
   networkpolicies, servicemonitors, prometheusrules, horizontalpodautoscalers, scaledobjects,
-  inferencepools) get/create/patch: server-side apply (a PATCH; creating through it also needs create)
-  with drift repair. Every child has an ownerReference and the garbage collector removes it with the
-  CR; delete only on the children a spec can switch off (networkpolicies, servicemonitors,
-  prometheusrules, horizontalpodautoscalers, scaledobjects, inferencepools), and only those the CR
-  controls.
+  inferencepools, leaderworkersets) get/create/patch: server-side apply (a PATCH; creating through it
+  also needs create) with drift repair. Every child has an ownerReference and the garbage collector
+  removes it with the CR; delete only on the children a spec can switch off (networkpolicies,
+  servicemonitors, prometheusrules, horizontalpodautoscalers, scaledobjects, inferencepools, and the
+  workload: deployments and leaderworkersets swap when ``spec.nodes`` crosses 1), and only those the
+  CR controls.
 - persistentvolumeclaims get/create/patch: claims the spec asks the operator to create, once (apply).
 - pods get/patch and ``confkvdeployments`` get: held only to grant them to the agent (see below).
 
@@ -70,7 +71,9 @@ OPERATOR_API_RULES: list[Rule] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["configmaps", "services", "serviceaccounts"],
      "verbs": ["get", "create", "patch"]},
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"],
+     "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
      "verbs": ["get", "create", "patch"]},

@@ -25,6 +25,7 @@ from confkv_api.deployment import DeploymentSpec
 from confkv_api.resources import CR_API_VERSION, CR_KIND
 
 from . import names as n
+from .groups import serving_selector
 
 Obj = dict[str, Any]
 SCALE_UP_PERIOD_SECONDS = 300
@@ -117,7 +118,7 @@ def build_inference_pool(name: str, spec: DeploymentSpec) -> Obj:
     return {
         "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": _meta(name),
         "spec": {
-            "selector": {"matchLabels": n.selector_labels(name)},
+            "selector": {"matchLabels": serving_selector(name, spec)},
             "targetPorts": [{"number": spec.engine.port}],
             "endpointPickerRef": {"name": picker.name or f"{name}-epp", "port": {"number": picker.port},
                                   "failureMode": picker.failure_mode},

@@ -76,10 +76,29 @@ def invalid_status(message: str, generation: int) -> dict[str, Any]:
     }
 
 
+def missing_api_status(message: str, generation: int) -> dict[str, Any]:
+    """Status fields for a valid spec whose workload kind the cluster does not serve (a
+    LeaderWorkerSet without its CRD): nothing runs until it is installed; the resync retries."""
+    reason = "LeaderWorkerSetNotInstalled"
+    return {
+        "phase": "Degraded",
+        "observedGeneration": generation,
+        "conditions": [
+            _condition("Ready", False, reason, message, generation),
+            _condition("Progressing", False, reason, message, generation),
+            _condition("Degraded", True, reason, message, generation),
+            _condition("InvalidSpec", False, "Valid", "", generation),
+        ],
+    }
+
+
 def compute_status(name: str, namespace: str, port: int, model: str, desired: int, generation: int,
-                   deployment: Obj | None, pods: PodReport | None = None) -> dict[str, Any]:
+                   deployment: Obj | None, pods: PodReport | None = None,
+                   selector: str | None = None) -> dict[str, Any]:
     """Status fields for a valid spec (conditions without timestamps; see ``merge_conditions``).
-    ``pods``: the most telling finding about the pods (``podstatus.pods_report``)."""
+    ``deployment``: the workload (a Deployment, or a LeaderWorkerSet whose status has the same
+    counts and a Progressing condition); ``pods``: the most telling finding about the pods
+    (``podstatus.pods_report``); ``selector``: the serving pods (default: all of the CR's)."""
     replicas, ready, progressing, reason = _deployment_state(deployment, desired)
     all_ready = ready >= desired and not progressing
     failing = pods is not None and pods.failing and not all_ready
@@ -101,7 +120,7 @@ def compute_status(name: str, namespace: str, port: int, model: str, desired: in
         "readyReplicas": ready,
         "observedGeneration": generation,
         "endpoint": f"http://{name}.{namespace}.svc:{port}",
-        "selector": n.selector_string(name),
+        "selector": selector or n.selector_string(name),
         "model": model,
         "conditions": [
             _condition("Ready", all_ready, "AllReplicasReady" if all_ready else "NotReady", counts,

@@ -46,6 +46,10 @@ GOOD: dict[str, dict[str, Any]] = {
     "gpu": {"resources": {"gpusPerPod": 1}, "engine": {"device": "cuda"}, "model": {"dtype": "bfloat16"}},
     "api-key": {"engine": {"apiKeySecretRef": {"name": "demo-api", "key": "api-key"}}},
     "hostpath-dotted-name": {"cacheStorage": {"type": "hostPath", "hostPath": "/mnt/.nvme/...x"}},
+    "tensor-parallel-pod": {"resources": {"gpusPerPod": 4}},
+    "tensor-parallel-explicit": {"resources": {"gpusPerPod": 4}, "nodes": 2, "engine": {"tensorParallel": 8}},
+    "multinode": {"nodes": 4, "resources": {"gpusPerPod": 8}},
+    "cpu-ranks-over-nodes": {"nodes": 2, "engine": {"tensorParallel": 4}},
 }
 
 # name -> (spec, a fragment of the expected message: a CEL rule's message or a structural error)
@@ -91,6 +95,12 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
                              "ReadOnlyMany"),
     "pod-bad-runtime-class": ({"pod": {"runtimeClassName": "Nvidia_GPU"}}, "does not match"),
     "api-key-inline": ({"engine": {"apiKey": "s3cret"}}, "apiKey"),
+    "tensor-parallel-contradicts-gpus": ({"resources": {"gpusPerPod": 2}, "engine": {"tensorParallel": 4}},
+                                         "engine.tensorParallel must be unset (1) or nodes x"),
+    "cpu-ranks-not-over-nodes": ({"nodes": 2, "engine": {"tensorParallel": 3}},
+                                 "must be a multiple of nodes"),
+    "too-many-ranks": ({"nodes": 8, "resources": {"gpusPerPod": 16}}, "must be <= 64"),
+    "zero-nodes": ({"nodes": 0}, "minimum"),
 }
 
 # Rules that the structural schema already enforces (so the server never reaches them) are checked by

@@ -1,9 +1,10 @@
 """Rendered chart manifests and the operator's builder output through kubernetes-validate --strict (1.35).
 
 kubernetes-validate ships the upstream OpenAPI schemas of built-in kinds only (v1.25 .. v1.37 in 1.37.0).
-The optional kinds the operator renders (ServiceMonitor, PrometheusRule, ScaledObject, InferencePool)
-are validated against their upstream CRDs, vendored under data/crds/ (see its README): strict structural
-validation, defaulting and CEL rules, as the API server would. Other custom kinds are skipped one by one
+The optional kinds the operator renders (ServiceMonitor, PrometheusRule, ScaledObject, InferencePool,
+LeaderWorkerSet) are validated against their upstream CRDs, vendored under data/crds/ (see its README):
+strict structural validation, defaulting and CEL rules, as the API server would; a LeaderWorkerSet's pod
+templates also go through kubernetes-validate as PodTemplates. Other custom kinds are skipped one by one
 with the reason and covered elsewhere (ConfKVDeployment by the CRD schema tests).
 """
 
@@ -76,9 +77,23 @@ EVERYTHING_ON = {
 }
 
 
+#: Tensor parallelism: a pod of 4 GPUs (a Deployment), and groups of 2 such nodes (a LeaderWorkerSet).
+TP_POD = {**GPU_SPEC, "resources": {**GPU_SPEC["resources"], "gpusPerPod": 4}}
+MULTINODE = {**EVERYTHING_ON, "nodes": 2, "resources": {**GPU_SPEC["resources"], "gpusPerPod": 8}}
+
+
+def _pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A LeaderWorkerSet's two pod templates as core/v1 PodTemplates, for kubernetes-validate's strict
+    pod schema on top of the LWS CRD's own."""
+    group = obj["spec"]["leaderWorkerTemplate"]
+    return [(f"-{key}", {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": key.lower()},
+                         "template": group[key]}) for key in ("leaderTemplate", "workerTemplate")]
+
+
 def _builder_cases() -> list[tuple[str, dict[str, Any]]]:
     specs = {"default": DeploymentSpec(), "gpu-hf": load_deployment_spec(GPU_SPEC),
-             "everything": load_deployment_spec(EVERYTHING_ON)}
+             "everything": load_deployment_spec(EVERYTHING_ON), "tp-pod": load_deployment_spec(TP_POD),
+             "multinode": load_deployment_spec(MULTINODE)}
     for label, cr in example_crs():
         specs[f"example-{label}"] = load_deployment_spec(cr.get("spec", {}))
     cases = []
@@ -86,7 +101,10 @@ def _builder_cases() -> list[tuple[str, dict[str, Any]]]:
         # With and without KEDA served: the autoscaler is a ScaledObject or an HPA.
         for served, tag in ((OPTIONAL_KINDS, ""), (OPTIONAL_KINDS - {"ScaledObject"}, "-nokeda")):
             for obj in build_children("demo", "serving", spec, SETTINGS, served):
-                cases.append((f"builder-{label}{tag}-{obj['kind']}-{obj['metadata']['name']}", obj))
+                case = f"builder-{label}{tag}-{obj['kind']}-{obj['metadata']['name']}"
+                cases.append((case, obj))
+                if obj["kind"] == "LeaderWorkerSet":
+                    cases += [(case + suffix, template) for suffix, template in _pod_templates(obj)]
         for claim, _owned in build_claims("demo", spec):
             cases.append((f"builder-{label}-claim-{claim['metadata']['name']}", claim))
     return sorted(dict(cases).items())
@@ -136,6 +154,20 @@ def test_vendored_schemas_reject_a_wrong_object() -> None:
     assert structural_errors(schema, {**pool, "spec": {"selector": {"matchLabels": {"a": "b"}}}})
     no_port = {**pool, "spec": {**pool["spec"], "endpointPickerRef": {"name": "epp"}}}
     assert cel_failures(schema, no_port)
+
+
+def test_multinode_spec_renders_a_leader_worker_set_instead_of_a_deployment() -> None:
+    """The multi-node case above is a LeaderWorkerSet (so the LWS CRD's schema checked it), and the
+    LWS schema can fail: an unknown field and a wrong restart policy are errors."""
+    kinds = [c[1]["kind"] for c in CASES if c[0].startswith("builder-multinode-")]
+    assert "LeaderWorkerSet" in kinds and "Deployment" not in kinds and kinds.count("PodTemplate") >= 2
+    (lws,) = [c[1] for c in CASES if c[0].startswith("builder-multinode-LeaderWorkerSet-demo")
+              and c[1]["kind"] == "LeaderWorkerSet"]
+    schema = version_schema(VENDORED["LeaderWorkerSet"], "v1")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert structural_errors(schema, {**lws, "spec": {**lws["spec"], "groupSize": 2}})
+    bad = {**lws, "spec": {**lws["spec"], "leaderWorkerTemplate": {**group, "restartPolicy": "Always"}}}
+    assert structural_errors(schema, bad)
 
 
 def test_validator_rejects_unknown_and_mistyped_fields() -> None:

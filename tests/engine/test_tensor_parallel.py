@@ -5,24 +5,27 @@ halved; without and with the prefix cache, under conf-kv and conf-kv with precis
 
 The ranks are real processes (``torch.multiprocessing`` spawn) in one gloo process group; the
 TP = 1 reference runs in the test process without any process group. Each rank records its
-retention decisions by wrapping ``RetentionManager.after_step`` (a spy, in that process only).
+retention decisions by wrapping ``RetentionManager.after_step`` (a spy, in that process only), and
+what each rank would have decided from its own heads' scores alone by wrapping ``policies.select``
+(the counterfactual that shows why the scores are gathered across ranks).
 """
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from confkv_api.config import ConfKVConfig
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model.loader import load_model
+from confkv_engine.retention import policies
 from confkv_engine.retention.manager import RetentionManager
+from confkv_engine.retention.tiers import Tier
+from testkit.ranks import spawn_ranks
 from tests.engine.tiny_models import dense_logits, make_tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -36,6 +39,8 @@ CASES = {  # name: (prefix cache, confkv section)
     # Every unit ranks its slots by the mean confidence over all KV heads: a decision that needs
     # every rank's scores, and the ranks must keep exactly the same tokens.
     "conf-kv-token": (False, {"kvPolicy": "conf-kv", "budget": 0.5}),
+    # A budget above the window and the sinks: the rest of it keeps tokens for their scores.
+    "conf-kv-token-scored": (False, {"kvPolicy": "conf-kv", "budget": 0.75}),
     "conf-kv-tiers-prefix": (True, {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": ["full", "int4", "int2"]}),
 }
 
@@ -49,7 +54,7 @@ def _config(case: str) -> ConfKVConfig:
 
 
 def _granularity(engine: LLMEngine, case: str) -> None:
-    if case.endswith("-token"):
+    if "-token" in case:
         cfg = engine.retention.defaults
         engine.retention.set_defaults(replace(cfg, tiers=replace(cfg.tiers, granularity="token")))
 
@@ -66,6 +71,41 @@ def _spy_decisions() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         return freed
 
     RetentionManager.after_step = after_step  # type: ignore[method-assign]
+    return seen
+
+
+def _split_view(view: policies.SlotView, world: int, rank: int) -> policies.SlotView:
+    """Rank ``rank``'s own units of a gathered view: what it would decide from without the gather."""
+    h = view.heads // world
+
+    def part(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        return x.reshape(-1, view.heads, n)[:, rank * h:(rank + 1) * h].reshape(-1, n)
+
+    return replace(view, heads=h, pos=part(view.pos), tiers=part(view.tiers), acc=part(view.acc),
+                   norm=part(view.norm), c_samp=part(view.c_samp))
+
+
+def _kept(view: policies.SlotView, tiers: torch.Tensor) -> list[list[int]]:
+    """Kept positions of each unit (layer-major), as lists."""
+    return [p[t != Tier.DISCARD].tolist() for p, t in zip(view.pos, tiers, strict=True)]
+
+
+def _spy_without_gather(world: int) -> list[tuple[list[list[list[int]]], list[list[list[int]]]]]:
+    """Wrap policies.select in a rank process: per decision, each rank's kept positions as decided
+    (from the gathered scores) and as that rank would decide from its own heads' scores alone."""
+    seen: list[tuple[list[list[list[int]]], list[list[list[int]]]]] = []
+    original = policies.select
+
+    def select(view, cfg, acct, target):  # type: ignore[no-untyped-def]
+        new = original(view, cfg, acct, target)
+        halves = [_split_view(replace(view, tiers=new), world, r) for r in range(world)]
+        alone = [_split_view(view, world, r) for r in range(world)]
+        seen.append(([_kept(h, h.tiers) for h in halves],
+                     [_kept(a, original(a, cfg, acct, target)) for a in alone]))
+        return new
+
+    policies.select = select  # type: ignore[assignment]
     return seen
 
 
@@ -93,6 +133,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, case: str, out:
     loaded = load_model(model_dir, dtype=torch.float32, device="cpu")
     group = init_group(rank, world, port, "cpu", timeout_s=60)
     decisions = _spy_decisions()
+    counterfactual = _spy_without_gather(world)
     engine = build_rank(loaded, _config(case), group, leader=rank == 0)
     _granularity(engine, case)
     peak = [0] * world
@@ -108,15 +149,9 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, case: str, out:
     tokens = COMMON + [5, 6, 7] + result.get("outputs", [[0] * 8])[0][:8]
     tokens = group.broadcast_object(tokens)
     result.update(logits=dense_logits(loaded.model, tokens, 43), tokens=tokens, decisions=decisions,
-                  peak=peak, block_bytes=engine.cache.spec.block_bytes)
+                  peak=peak, block_bytes=engine.cache.spec.block_bytes, counterfactual=counterfactual)
     torch.save(result, Path(out) / f"rank{rank}.pt")
     destroy_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -138,21 +173,17 @@ def _reference(model_dir: Path, case: str, monkeypatch) -> dict:  # type: ignore
             "block_bytes": engine.cache.spec.block_bytes}
 
 
+def _run_ranks(model_dir: Path, case: str, out: Path) -> list[dict]:
+    spawn_ranks(_rank_main, 2, str(model_dir), case, str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
 @pytest.mark.parametrize(("arch", "case"), [
     ("llama", "full-prefix"), ("llama", "conf-kv"), ("llama", "conf-kv-tiers-prefix"),
-    ("llama", "conf-kv-token"),
+    ("llama", "conf-kv-token"), ("llama", "conf-kv-token-scored"),
     ("qwen2", "conf-kv-tiers-prefix"), ("qwen3", "conf-kv")])
 def test_tensor_parallel_2_equals_1(models, arch: str, case: str, tmp_path, monkeypatch) -> None:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(models[arch]), case, str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = _run_ranks(models[arch], case, tmp_path)
     ref = _reference(models[arch], case, monkeypatch)
 
     assert ranks[0]["outputs"] == ref["outputs"]  # greedy, token for token
@@ -168,8 +199,25 @@ def test_tensor_parallel_2_equals_1(models, arch: str, case: str, tmp_path, monk
     for (n0, p0, t0), (n1, p1, t1), (n, p, t) in zip(d0, d1, ref["decisions"], strict=True):
         assert n0 == n1 == n
         assert torch.equal(torch.cat([p0, p1], dim=1), p) and torch.equal(torch.cat([t0, t1], dim=1), t)
-        if case.endswith("-token"):  # every rank keeps the very same positions
+        if "-token" in case:  # every rank keeps the very same positions
             assert torch.equal(p0, p1)
     if CASES[case][1]["kvPolicy"] != "full":
         evicted = [n - p.shape[-1] for n, p, _ in ref["decisions"]]
         assert max(evicted) > 0, "the budget must evict something for the comparison to mean anything"
+
+
+def test_tensor_parallel_retention_needs_the_scores_of_every_rank(models, tmp_path) -> None:
+    """Token-granular conf-kv ranks each token by its confidence over all KV heads of a layer. Decided
+    from the scores gathered over both ranks, both ranks keep the same tokens at every decision; had
+    each rank decided from its own heads' scores alone (computed here from the same decision's
+    scores, split by rank), they would have kept different tokens, and each rank's cache would hold
+    another sequence than its peer's."""
+    ranks = _run_ranks(models["llama"], "conf-kv-token-scored", tmp_path)
+    seen = ranks[0]["counterfactual"]
+    assert seen and seen == ranks[1]["counterfactual"]  # every rank saw the same gathered scores
+    differ = 0
+    for gathered, alone in seen:
+        for unit in range(len(gathered[0])):
+            assert gathered[0][unit] == gathered[1][unit]  # with the gather: the same tokens
+        differ += any(set(a) != set(b) for a, b in zip(alone[0], alone[1], strict=True))
+    assert differ > 0, "without the gather the ranks would have evicted the same tokens"

@@ -1,7 +1,7 @@
 """A GPU deployment's first day, with the operator under Kopf against the API emulator: the example's
 claims are created and its pods fit real H100/A100 nodes, spec edits that remove fields reach the
 Deployment (server-side apply), a slow first start reads Progressing and an engine that exits says why,
-and gpusPerPod > 1 is refused.
+gpusPerPod > 1 renders a tensor-parallel pod, and nodes > 1 a LeaderWorkerSet once its API exists.
 
 The emulator runs no scheduler and no kubelet: pods and their statuses are written here as the kubelet
 would report them, and scheduling is checked with the scheduler's label and taint filters
@@ -10,6 +10,7 @@ would report them, and scheduling is checked with the scheduler's label and tain
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,12 @@ import yaml
 from confkv_operator import names as n
 from testkit.k8s_emulator import KubeEmulator
 from testkit.k8s_emulator.scheduling import fits
-from testkit.operator_harness import API_VERSION, cr
+from testkit.operator_harness import API_VERSION, cr, install_optional_crds
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("operator")]
 ROOT = Path(__file__).resolve().parents[2]
 NS = "default"
+LWS = "leaderworkerset.x-k8s.io/v1"
 GPU_TAINT = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
 # Labels GPU Feature Discovery puts on real nodes (product and memory in MiB as the driver reports it).
 NODES = {
@@ -149,9 +151,48 @@ def test_slow_first_start_is_progressing_and_an_engine_exit_says_why(emulator: K
     assert get_cr(emulator, "slow")["status"]["phase"] == "Degraded"
 
 
-def test_more_than_one_gpu_per_pod_is_refused_with_a_condition(emulator: KubeEmulator) -> None:
-    emulator.create(cr("twogpu", {"resources": {"gpusPerPod": 2}}))
-    invalid = wait(lambda: (c := condition(emulator, "twogpu", "InvalidSpec")).get("status") == "True" and c,
+def test_gpus_per_pod_above_one_renders_a_tensor_parallel_pod(emulator: KubeEmulator) -> None:
+    emulator.create(cr("twogpu", {"resources": {"gpusPerPod": 2}, "engine": {"device": "cuda"}}))
+    deployment = wait(lambda: emulator.get("apps/v1", "deployments", "twogpu", NS), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (engine,) = [c for c in pod["containers"] if c["name"] == n.ENGINE_CONTAINER]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    config = json.loads(emulator.get("v1", "configmaps", "twogpu-config", NS)["data"][n.CONFIG_FILE])
+    assert config["engine"]["tensorParallel"] == 2  # one rank per GPU of the pod
+    wait(lambda: condition(emulator, "twogpu", "InvalidSpec").get("status") == "False", "a valid spec")
+
+
+def test_gpus_that_contradict_tensor_parallel_are_refused_with_a_condition(emulator: KubeEmulator) -> None:
+    emulator.create(cr("contra", {"resources": {"gpusPerPod": 2}, "engine": {"tensorParallel": 4}}))
+    invalid = wait(lambda: (c := condition(emulator, "contra", "InvalidSpec")).get("status") == "True" and c,
                    "InvalidSpec")
-    assert "gpusPerPod 2 is not supported" in invalid["message"]
-    assert emulator.get("apps/v1", "deployments", "twogpu", NS) is None
+    assert "engine.tensorParallel 4 contradicts nodes x resources.gpusPerPod = 2" in invalid["message"]
+    assert emulator.get("apps/v1", "deployments", "contra", NS) is None
+
+
+def test_nodes_without_the_leader_worker_set_api_say_so_then_render_one(emulator: KubeEmulator) -> None:
+    """A cluster without the LWS CRD: a clear condition, the operator stays up; once the CRD is
+    installed the next resync creates the LeaderWorkerSet and its status drives the CR's."""
+    emulator.create(cr("group", {"nodes": 2, "resources": {"gpusPerPod": 4}}))
+    degraded = wait(lambda: (c := condition(emulator, "group", "Degraded")).get("status") == "True" and c,
+                    "Degraded without the LWS API")
+    assert degraded["reason"] == "LeaderWorkerSetNotInstalled"
+    assert "install the LeaderWorkerSet controller" in degraded["message"]
+    assert emulator.get("apps/v1", "deployments", "group", NS) is None
+    install_optional_crds(emulator, "lws")
+    lws = wait(lambda: emulator.get(LWS, "leaderworkersets", "group", NS), "LeaderWorkerSet", timeout=30)
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and lws["metadata"]["ownerReferences"][0]["kind"] == "ConfKVDeployment"
+    config = json.loads(emulator.get("v1", "configmaps", "group-config", NS)["data"][n.CONFIG_FILE])
+    assert config["engine"]["tensorParallel"] == 8  # 2 nodes x 4 GPUs, one group
+    service = emulator.get("v1", "services", "group", NS)
+    assert service["spec"]["selector"]["confkv.io/role"] == "leader"
+    emulator.patch_status(LWS, "leaderworkersets", "group", {
+        "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
+        "observedGeneration": lws["metadata"]["generation"],
+        "conditions": [{"type": "Available", "status": "True", "reason": "AllGroupsReady"}]}, NS)
+    wait(lambda: get_cr(emulator, "group").get("status", {}).get("phase") == "Running", "Running")
+    assert condition(emulator, "group", "Degraded")["status"] == "False"

@@ -5,7 +5,8 @@ cluster-scoped request at all).
 
 The scenario walks every code path that talks to the API: start-up (Kopf's CRD and CR watches), create
 with the monitoring CRDs installed, status updates, a policy update, an invalid spec (Kopf posts an Event),
-pod listing for the last remediation, drift restoration and deletion (finalizer removal).
+pod listing for the last remediation, drift restoration, the workload switching between a Deployment
+and a LeaderWorkerSet with ``spec.nodes``, and deletion (finalizer removal).
 """
 
 from __future__ import annotations
@@ -76,12 +77,31 @@ def _scenario(api: KubeEmulator) -> None:
     for version, plural, name in switchable:
         wait(lambda v=version, p=plural, n=name: api.get(v, p, n, NS) is None, 20,
              message=f"{plural} deleted")
+    _switch_workload(api)
     api.create(cr("broken", {"confkv": {"eviction": {"k": 0}}}))
     wait(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list("v1", "events", NS)), 20,
          message="an Event about the invalid spec")
-    for name in ("audit", "broken", "scaled"):
+    for name in ("audit", "broken", "scaled", "group"):
         api.delete(API_VERSION, "ckv", name, NS)
         wait(lambda name=name: api.get(API_VERSION, "ckv", name, NS) is None, 20, message=f"{name} deleted")
+
+
+def _switch_workload(api: KubeEmulator) -> None:
+    """nodes 1 -> 2 -> 1: the Deployment gives way to a LeaderWorkerSet (drifted and restored) and back."""
+    wait = KubeEmulator.wait_for
+    lws = "leaderworkerset.x-k8s.io/v1"
+    api.create(cr("group", {"resources": {"gpusPerPod": 1}}))
+    wait(lambda: api.get("apps/v1", "deployments", "group", NS), 20, message="group's Deployment")
+    api.patch(API_VERSION, "ckv", "group", {"spec": {"nodes": 2}}, NS)
+    wait(lambda: api.get(lws, "leaderworkersets", "group", NS), 20, message="LeaderWorkerSet")
+    wait(lambda: api.get("apps/v1", "deployments", "group", NS) is None, 20, message="Deployment deleted")
+    label = "app.kubernetes.io/managed-by"
+    api.patch(lws, "leaderworkersets", "group", {"metadata": {"labels": {label: "someone-else"}}}, NS)
+    wait(lambda: api.get(lws, "leaderworkersets", "group", NS)["metadata"]["labels"][label]
+         == "confkv-operator", 20, message="LeaderWorkerSet restored")
+    api.patch(API_VERSION, "ckv", "group", {"spec": {"nodes": 1}}, NS)
+    wait(lambda: api.get(lws, "leaderworkersets", "group", NS) is None, 20, message="LeaderWorkerSet deleted")
+    wait(lambda: api.get("apps/v1", "deployments", "group", NS), 20, message="Deployment back")
 
 
 MODES = {
@@ -99,7 +119,7 @@ def test_request_log_matches_the_rbac_rules_exactly(mode: str) -> None:
     with KubeEmulator() as api:
         api.activate()
         try:
-            install_crds(api, monitoring=True, keda=True, inference=True)
+            install_crds(api, monitoring=True, keda=True, inference=True, lws=True)
             with OperatorThread(api, resync_seconds=0.5, **env):
                 _scenario(api)
             used = set(api.rbac_usage())

@@ -41,6 +41,14 @@ def test_kv_cache_dtype_flag_sets_the_confkv_field() -> None:
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
 
 
+def test_enforce_eager_turns_cuda_graphs_off(tmp_path: Path) -> None:
+    assert _config([]).engine.cuda_graphs is True
+    assert _config(["--enforce-eager"]).engine.cuda_graphs is False
+    path = tmp_path / "confkv.json"
+    path.write_text(json.dumps({"engine": {"cudaGraphs": False}}))
+    assert _config(["--config", str(path)]).engine.cuda_graphs is False  # the flag absent keeps the file's
+
+
 def test_server_default_max_tokens_and_timeouts() -> None:
     assert _config([]).engine.max_tokens_default is None  # OpenAI's: the rest of the context
     assert _config(["--max-tokens-default", "256"]).engine.max_tokens_default == 256

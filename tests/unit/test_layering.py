@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"model", "cache", "cache.codec", "cache.disk", "attention", "retention"},
     "http": {"core", "cache"},
     "control": {"core", "cache"},
-    "parallel": {"model", "cache", "retention", "core"},
+    "parallel": {"model", "cache", "cache.disk", "retention", "core"},
     "app": {"model", "cache", "cache.codec", "cache.disk", "attention", "retention", "core", "http",
             "control", "parallel"},
 }

@@ -280,11 +280,6 @@ def test_pod_stages_and_failures_become_conditions() -> None:
     assert stuck["phase"] == "Degraded" and stuck["Degraded"]["reason"] == "ProgressDeadlineExceeded"
 
 
-def test_gpus_per_pod_above_one_is_refused() -> None:
-    with pytest.raises(ConfigError, match="gpusPerPod 2 is not supported"):
-        load_deployment_spec({"resources": {"gpusPerPod": 2}})
-
-
 def test_monitoring_labels_setting_is_parsed() -> None:
     settings = load_settings({"CONFKV_MONITORING_LABELS": "release=kps, team = ml"})
     assert settings.monitoring_labels == {"release": "kps", "team": "ml"}

@@ -123,7 +123,6 @@ class PagedAttention:
     # ---- per-step metadata -------------------------------------------------------------------
     def begin_step(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> None:
         """Slots for ``num_new[i]`` tokens must already be reserved; ``positions`` [T] absolute."""
-        dev = self.cache.kv.device
         self._seqs, self._num_new = seqs, num_new
         self.writes: WritePlan = self.cache.plan_writes(seqs, num_new, positions)
         offsets = [0]
@@ -135,7 +134,7 @@ class PagedAttention:
         dec_rows = [offsets[i] for i in dec]
         # The engine puts decode rows first; otherwise fall back to an index.
         self.decode_rows: slice | Tensor = (
-            slice(0, len(dec)) if dec_rows == list(range(len(dec))) else torch.tensor(dec_rows, device=dev))
+            slice(0, len(dec)) if dec_rows == list(range(len(dec))) else self.cache.staging.send(dec_rows))
         self.offsets = offsets
         if self.kernel is not None:
             self.decode, self.prefills = [], []
@@ -171,7 +170,7 @@ class PagedAttention:
         table += [b for s in seqs for b in s.v_blocks + [pad] * (width - len(s.v_blocks))]
         dev = self.cache.kv.device
         slots = torch.arange(width * bs, device=dev)
-        lengths = torch.tensor([s.num_slots + 1 for s in seqs], device=dev)
+        lengths = self.cache.staging.send([s.num_slots + 1 for s in seqs])
         visible = slots[None, :] < lengths[:, None]
         mask = _Mask(visible[:, None, None, :])
         return DecodePlan(rows, self.cache.gather_plan(table), width * bs, mask, lengths)
@@ -199,7 +198,8 @@ class PagedAttention:
         self._side = self.cache.gather_plan(list(handles)) if handles else None
         lens = [s.num_slots + n for s, n in zip(seqs, num_new, strict=True)]
         self.paged = PagedBatch.build(tables[:len(seqs)], tables[len(seqs):], lens, num_new,
-                                      self._key_only(), self.cache.spec.block_size, self.cache.kv.device)
+                                      self._key_only(), self.cache.spec.block_size, self.cache.kv.device,
+                                      send=self.cache.staging.send)
 
     def _key_only(self) -> list[tuple[int, int]] | None:
         """Per sequence of the step, its KEY_ONLY slots (first, count); None: none anywhere."""

@@ -63,6 +63,7 @@ from confkv_engine.cache.layout import (
 from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
 from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad, PrefixHit, chain_links
 from confkv_engine.cache.rewrite import rewrite_seq
+from confkv_engine.cache.staging import HostStaging
 from confkv_engine.cache.storage import DeviceKV
 from confkv_engine.cache.streams import CacheStreams, PendingBytes, copy_to_host
 
@@ -105,7 +106,9 @@ class KVCache:
         self._clock = 0  # one tick per prefix lookup that admits a request
         self.sink = sink
         self.retired: list[int] = []  # taken out of use by a live lower size (never handed out)
-        self.storage = DeviceKV(spec, num_blocks)
+        # Step metadata goes to the device through pinned buffers, without the host waiting.
+        self.staging = HostStaging(spec.device)
+        self.storage = DeviceKV(spec, num_blocks, self.staging)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
         self.store = CompressedStore(self.kv, self.pool)
@@ -478,7 +481,7 @@ class KVCache:
     def slot_index(self, blocks: list[int], slots: Tensor) -> Tensor:
         """Flat pool index of slot numbers ``slots`` (any shape) through a block table."""
         bs = self.spec.block_size
-        table = torch.tensor(blocks, dtype=torch.long, device=slots.device)
+        table = self.staging.send(blocks).to(slots.device)
         return table[slots // bs] * bs + slots % bs
 
     def plan_writes(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> WritePlan:
@@ -512,6 +515,8 @@ class KVCache:
     # ---- reading through compressed blocks ------------------------------------------------
     def gather_plan(self, table: list[int]) -> GatherPlan:
         """Precomputed gather of a block table (once per step); see ``gather``."""
+        if not any(is_compressed(b) for b in table):  # the common case: one staged send
+            return GatherPlan(self.staging.send(table), ())
         return self.store.plan(table, self.null_block, self.kv.device)
 
     def gather(self, layer: int, plan: GatherPlan) -> Tensor:

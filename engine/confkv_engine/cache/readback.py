@@ -54,9 +54,9 @@ class ChainLoad:
     shape: tuple[int, ...]  # of one decoded pair: [2, L, bs, Hkv, D]
     dtype: torch.dtype
     scale_shape: tuple[int, ...] | None = None  # an int8 pool's fp16 scales after the pair: [2, L, bs, Hkv]
-    pin: bool = False  # decode into pinned memory (a CUDA pool: the copy to it runs on a side stream)
     pairs: dict[bytes, tuple[Tensor, Tensor | None]] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
+    pin: bool = False  # decode into pinned memory (a CUDA pool: the copy to it runs on a side stream)
 
     def decode(self, payload: bytes) -> tuple[Tensor, Tensor | None] | None:
         """The payload as (pair, scales), or None when its size does not fit this layout."""

@@ -36,13 +36,16 @@ import torch
 from torch import Tensor
 
 from confkv_engine.cache.layout import CacheSpec, SeqKV, WritePlan, int8_rows, machine_cap, to_storage
+from confkv_engine.cache.staging import HostStaging
 
 
 class DeviceKV:
     """The pool's tensors for ``num_blocks`` blocks of ``spec`` (see ``kv_cache`` for the layout)."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, staging: HostStaging | None = None) -> None:
+        """``staging``: how the write slots reach the device (default: a staging of its own)."""
         self.spec = spec
+        self.staging = staging or HostStaging(spec.device)
         bs, h, d = spec.block_size, spec.num_kv_heads, spec.head_dim
         self.kv = torch.zeros(spec.num_layers, num_blocks, bs, h, d, dtype=spec.dtype, device=spec.device)
         # Flat views [L, num_blocks * bs, Hkv, D]: a slot's flat index is block * bs + offset.
@@ -63,7 +66,7 @@ class DeviceKV:
         """Mark every slot of pool blocks ``blocks`` empty (position -1)."""
         if blocks:
             bs = self.spec.block_size
-            idx = (torch.tensor(blocks, device=self.pos.device)[:, None] * bs
+            idx = (self.staging.send(blocks)[:, None] * bs
                    + torch.arange(bs, device=self.pos.device)).view(-1)
             self.pos.index_fill_(1, idx, -1)
 
@@ -88,12 +91,12 @@ class DeviceKV:
 
         Python touches only the few table entries each sequence writes into; the per-token slots come
         from a handful of tensor ops (``block[rel // bs] * bs + rel % bs``), whatever the token count."""
-        bs, dev = self.spec.block_size, self.kv.device
+        bs = self.spec.block_size
         if all(n == 1 for n in num_new):  # decode: one slot per sequence, nothing per token to vectorise
             k_one = [s.k_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
             v_one = [s.v_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
-            return self.record(WritePlan(torch.tensor(k_one, device=dev), torch.tensor(v_one, device=dev)),
-                               positions)
+            both = self.staging.send([k_one, v_one])
+            return self.record(WritePlan(both[0], both[1]), positions)
         k_rows: list[int] = []
         v_rows: list[int] = []
         first: list[int] = []  # per sequence: where its entries start in k_rows
@@ -109,9 +112,9 @@ class DeviceKV:
         base = torch.tensor(first, dtype=torch.long) + torch.tensor(lead, dtype=torch.long) - starts
         rel = torch.arange(int(counts.sum())) + torch.repeat_interleave(base, counts)  # [T]
         block, offset = rel // bs, rel % bs
-        plan = WritePlan((torch.tensor(k_rows, dtype=torch.long)[block] * bs + offset).to(dev),
-                         (torch.tensor(v_rows, dtype=torch.long)[block] * bs + offset).to(dev))
-        return self.record(plan, positions)
+        slots = [torch.tensor(rows, dtype=torch.long)[block] * bs + offset for rows in (k_rows, v_rows)]
+        both = self.staging.send(torch.stack(slots))
+        return self.record(WritePlan(both[0], both[1]), positions)
 
     def record(self, plan: WritePlan, positions: Tensor) -> WritePlan:
         """Record the positions of a step's new tokens in their K slots."""

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from confkv_api.config import ConfKVConfig
+from confkv_engine.cache.kv_cache import SeqKV
 from confkv_engine.core import sampling
 from confkv_engine.core.engine_control import EngineControlSurface
 from confkv_engine.core.faults import OomFault
@@ -65,6 +66,7 @@ class LLMEngine(EngineControlSurface):
         self.scheduler, self.compression_control, self.lock = p.scheduler, p.compression, p.lock
         self.max_waiting = p.max_waiting
         self.memory_plan = p.memory_plan  # the start-up plan (weights, activations, pool, reserve)
+        self.decode_runner = p.decode_runner  # static-buffer decode (CUDA graphs on CUDA), or None
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._ret_logits: dict[Sequence, torch.Tensor] = {}
@@ -130,6 +132,8 @@ class LLMEngine(EngineControlSurface):
                 scheduled = self._recover_from_oom(scheduled, ran, outputs)
                 if not scheduled:
                     return outputs
+        # The step's decision points read the attention signal back with one wait for all sequences.
+        self.retention.score_decisions([(s.kv, s.policy_state, s.num_computed + n) for s, n in scheduled])
         for seq, n in scheduled:
             self._advance(seq, n, results.get(seq))
             if seq.finished or seq.reported_tokens < len(seq.output_token_ids):
@@ -143,15 +147,25 @@ class LLMEngine(EngineControlSurface):
         for seq, n in scheduled:
             ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
             pos.extend(range(seq.num_computed, seq.num_computed + n))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        self.cache.staging.begin_step()
         states = [self.retention.prepare(s) for s, _ in scheduled]
-        self.backend.begin_step([s.kv for s, _ in scheduled], [n for _, n in scheduled], positions, states)
-        hidden = self.model(input_ids, positions, self.backend)
-        self.backend.end_step()
+        hidden = self._forward([s.kv for s, _ in scheduled], [n for _, n in scheduled], ids, pos, states)
         self._retention_logits(scheduled, hidden)
         return sample_step(self.model, self.tokenizer, self.vocab_size, self.eos_token_ids, scheduled,
-                           hidden)
+                           hidden, self.cache.staging.send)
+
+    def _forward(self, seqs: list[SeqKV], num_new: list[int], ids: list[int], pos: list[int],
+                 states: list[Any]) -> torch.Tensor:
+        """The model over the step's rows: the static-buffer decode path when the step qualifies
+        (``graph_runner``), else the eager backend; the appended slots are committed."""
+        runner = self.decode_runner
+        if runner is not None and runner.accepts(seqs, num_new, states):
+            return runner.run(seqs, ids, pos)
+        input_ids, positions = self.cache.staging.send([ids, pos])
+        self.backend.begin_step(seqs, num_new, positions, states)
+        hidden = self.model(input_ids, positions, self.backend)
+        self.backend.end_step()
+        return hidden
 
     def _retention_logits(self, scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
         """Untempered logits of every row for sequences whose retention uses the sampling signal."""

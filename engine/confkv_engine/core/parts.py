@@ -9,14 +9,16 @@ encodes without it), so each of them is handed the same object rather than reach
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from confkv_api.config import ConfKVConfig, parse_size
+from confkv_api.config import ConfKVConfig, EngineSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
 from confkv_engine.cache.disk.sink import DiskSink
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache
@@ -24,12 +26,15 @@ from confkv_engine.cache.layout import resolve_cache_dtype
 from confkv_engine.cache.planner import MemoryPlan
 from confkv_engine.cache.streams import CacheStreams
 from confkv_engine.core.compression import CompressionControl
+from confkv_engine.core.graph_runner import DecodeRunner
 from confkv_engine.core.memory_profile import plan_startup_memory
 from confkv_engine.core.scheduler import Scheduler
 from confkv_engine.model.compiled import compile_elementwise
 from confkv_engine.retention.manager import RetentionManager, config_from_section, retained_chunk
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import HeadShards, decision_interval
+
+log = logging.getLogger(__name__)
 
 
 class NullTokenizer:
@@ -61,14 +66,21 @@ class EngineParts:
     lock: threading.RLock
     max_waiting: int
     memory_plan: MemoryPlan
+    decode_runner: DecodeRunner | None = None
 
 
 def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | None = None,
-                shards: HeadShards | None = None) -> EngineParts:
+                shards: HeadShards | None = None,
+                make_disk: Callable[[str], DiskSink] = DiskSink,
+                static_decode: bool | None = None) -> EngineParts:
     """``loaded``: a ``model.loader.LoadedModel`` or anything with its attributes; ``retention``
     overrides the confkv section's retention defaults; ``shards``: this rank's share of the KV heads
     under tensor parallelism (the model is sharded already; its attention layers say how many heads
-    this rank computes, which sizes the pool)."""
+    this rank computes, which sizes the pool); ``make_disk``: the disk store on ``engine.cacheDir``
+    (a tensor-parallel rank's keeps its shard and agrees on read-backs: ``parallel.disk``).
+    ``static_decode``: run decode steps over static buffers (``graph_runner``); None: on CUDA when
+    ``engine.cudaGraphs`` (captured as graphs), off elsewhere (the gather path measured faster on
+    CPU), never under tensor parallelism."""
     eng, model = config.engine, loaded.model
     args = model.args
     attn = model.layers[0].self_attn  # this rank's heads: all of them, or its shard under tensor parallelism
@@ -91,7 +103,7 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     # The salt names what changes the stored K/V besides the tokens (dtypes are added by the cache).
     salt = f"{getattr(loaded, 'name', '')}|{args}".encode() if config.confkv.prefix_cache.enabled else None
     # The disk store (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
-    disk = DiskSink(eng.cache_dir) if eng.cache_dir and salt is not None else None
+    disk = make_disk(eng.cache_dir) if eng.cache_dir and salt is not None else None
     # Weights, the profiled activation peak, the decode gather bound and a reserve come off first.
     memory_plan = plan_startup_memory(model, spec, eng, max_model_len, size)
     # engine.cudaStreams side streams for cache work (compression, spills, read-backs); none on CPU.
@@ -108,6 +120,7 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     # never cross a decision point, so replays are exact.
     scheduler = Scheduler(cache, manager, eng.max_batch_size, eng.max_num_batched_tokens, eng.prefill_chunk)
     lock = threading.RLock()
+    runner = _decode_runner(model, cache, eng, max_model_len, static_decode, shards is None)
     return EngineParts(
         model=model, tokenizer=getattr(loaded, "tokenizer", None) or NullTokenizer(),
         vocab_size=args.vocab_size, max_model_len=max_model_len,
@@ -115,4 +128,24 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
         cache_dtype=cache_dtype, compile_seconds=compile_seconds, cache=cache, disk=disk, retention=manager,
         backend=RetentionAttention(cache, num_heads, memory_plan.gather_bytes), scheduler=scheduler,
         compression=CompressionControl(cache, lock, config.confkv.compression), lock=lock,
-        max_waiting=eng.max_waiting, memory_plan=memory_plan)
+        max_waiting=eng.max_waiting, memory_plan=memory_plan, decode_runner=runner)
+
+
+def _decode_runner(model: Any, cache: KVCache, eng: EngineSection, max_model_len: int,
+                   wanted: bool | None, single_rank: bool) -> DecodeRunner | None:
+    """The static-buffer decode runner, its graphs captured now (after the memory plan sized the
+    pool), or None (see ``build_parts``)."""
+    on_cuda = cache.spec.device.type == "cuda"
+    if wanted is None:
+        wanted = on_cuda and eng.cuda_graphs
+    if not (wanted and single_rank and DecodeRunner.supported(cache)):
+        return None
+    runner = DecodeRunner(model, cache, eng.max_batch_size, max_model_len, graphs=eng.cuda_graphs)
+    try:
+        runner.capture()
+    except torch.OutOfMemoryError:  # the graphs' activations did not fit beside the planned pool
+        log.warning("no memory left to capture decode CUDA graphs after the pool was sized: decode "
+                    "runs eagerly (lower maxCacheSize or maxBatchSize to get them)")
+        torch.cuda.empty_cache()
+        return None
+    return runner

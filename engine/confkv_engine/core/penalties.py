@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from confkv_engine.cache.staging import send_pinned
 from confkv_engine.core.sampling_params import SamplingParams
 
 
@@ -35,8 +36,8 @@ def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor
                 values.append(bias)
     if rows:
         dev = logits.device
-        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-        logits.index_put_(index, torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+        index = (send_pinned(rows, dev), send_pinned(cols, dev))
+        logits.index_put_(index, send_pinned(values, dev, logits.dtype), accumulate=True)
     return logits
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from confkv_engine.cache.staging import send_pinned
 from confkv_engine.core.outputs import TokenLogprob
 from confkv_engine.core.penalties import apply_logit_bias, apply_penalties
 from confkv_engine.core.sampling_params import SamplingParams
@@ -75,7 +76,7 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    idx = torch.tensor(rows, device=logits.device)
+    idx = send_pinned(rows, logits.device)
     chosen = _sample_rows(logits.index_select(0, idx), [params[i] for i in rows],
                           [generators[i] for i in rows])
     out[idx] = chosen
@@ -98,7 +99,7 @@ def _sample_rows(
         rows = [i for i, f in enumerate(filtered) if f == want]
         if not rows:
             continue
-        idx = torch.tensor(rows, device=logits.device)
+        idx = send_pinned(rows, logits.device)
         group = logits.index_select(0, idx)
         sub_params = [params[i] for i in rows]
         sub_gens = [generators[i] for i in rows]
@@ -111,11 +112,11 @@ def _tempered(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """Tempered logits [N, V], with ``min_p`` applied: a token survives when its tempered
     probability is at least min_p times the best one's, i.e. its tempered logit is within
     log(min_p) of the maximum (a threshold that needs no normalisation and no sort)."""
-    temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+    temps = send_pinned([p.temperature for p in params], logits.device, logits.dtype)
     scaled = logits / temps[:, None]  # [N, V]
     if any(p.min_p > 0 for p in params):
-        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params],
-                                 device=logits.device, dtype=logits.dtype)
+        log_min_p = send_pinned([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params],
+                                logits.device, logits.dtype)
         floor = scaled.max(dim=-1, keepdim=True).values + log_min_p[:, None]
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     return scaled
@@ -135,8 +136,8 @@ def _sample_filtered(
     dev = logits.device
     scaled = _tempered(logits, params)
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_k = torch.tensor(ks, device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+    top_k = send_pinned(ks, dev)
+    top_p = send_pinned([p.top_p for p in params], dev, logits.dtype)
     k_max = max(ks)
     if k_max <= _TOPK_FAST_LIMIT:
         cand, cand_ids = torch.topk(scaled, k_max, dim=-1)  # [N, K] best first
@@ -208,7 +209,7 @@ def apply_min_tokens_mask(
                 cols.append(tok)
     if rows:
         dev = logits.device
-        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+        logits[send_pinned(rows, dev), send_pinned(cols, dev)] = float("-inf")
     return logits
 
 
@@ -252,7 +253,7 @@ def logprobs_for(logits: Tensor, targets: Tensor, top_n: Sequence[int | None]) -
     result: list[TokenLogprob | None] = [None] * len(top_n)
     if not rows:
         return result
-    idx = torch.tensor(rows, device=logits.device)
+    idx = send_pinned(rows, logits.device)
     logp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)  # [R, V]
     chosen = logp.gather(1, targets.index_select(0, idx).long()[:, None]).squeeze(1).tolist()  # [R]
     k = max(top_n[i] or 0 for i in rows)

@@ -6,6 +6,7 @@ Pure functions over a step's sequences, so ``engine.LLMEngine`` stays the loop t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,9 +22,11 @@ from confkv_engine.retention.policies import RetentionConfig
 
 
 def sample_step(model: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
-                scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> dict[Sequence, Any]:
+                scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor,
+                send: Callable[[list[int]], torch.Tensor] | None = None) -> dict[Sequence, Any]:
     """Per sequence whose step ends its known tokens: (token id, logprob entry). Prompt logprobs of
-    the rows that need them are appended to their sequences on the way."""
+    the rows that need them are appended to their sequences on the way. ``send``: how the sampling
+    rows reach the device (the cache's pinned staging; default ``torch.tensor``)."""
     rows: list[int] = []
     samplers: list[Sequence] = []
     offset = 0
@@ -37,7 +40,8 @@ def sample_step(model: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tupl
         offset += n
     if not samplers:
         return {}
-    logits = model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+    index = send(rows) if send is not None else torch.tensor(rows, device=hidden.device)
+    logits = model.compute_logits(hidden[index])
     params = [s.params for s in samplers]
     for s in samplers:  # the grammar is compiled on the sequence's first sampling step
         if s.params.structured is not None and s.grammar is None:

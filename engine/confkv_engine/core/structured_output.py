@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from confkv_engine.cache.staging import send_pinned
 from confkv_engine.core.sampling_params import InvalidRequest, StructuredOutput
 
 _COMPILE_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
@@ -123,8 +124,8 @@ def apply_grammar_masks(logits: Tensor, states: Sequence[GrammarState | None]) -
     # Bit j of little-endian word w is token 32w + j: unpacking the bytes least-significant bit
     # first yields the tokens in order (numpy's unpackbits is several times faster than shifts).
     bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    forbidden = torch.from_numpy(bits == 0).to(logits.device)
-    idx = torch.tensor(rows, device=logits.device)
+    forbidden = send_pinned(torch.from_numpy(bits == 0), logits.device)
+    idx = send_pinned(rows, logits.device)
     logits[idx] = logits[idx].masked_fill(forbidden, float("-inf"))
     return logits
 

@@ -23,8 +23,8 @@ While idle, rank 0 sends a heartbeat (``heartbeat``) more often than the group's
 timeout, so a worker waiting for the next step never times out; a rank that stops answering makes
 the next collective raise after the timeout, and the launcher turns that into the server's exit.
 
-Not replicated yet, so refused under tensor parallelism: live policy changes (gRPC UpdatePolicy),
-the disk store (``engine.cacheDir``) and background compression.
+Not replicated yet, so refused under tensor parallelism: live policy changes (gRPC UpdatePolicy)
+and background compression. The disk store keeps a shard per rank (``parallel.disk``).
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ class WorkerEngine(_RankEngine):
             for request_id in order.aborted:
                 self.abort_request(request_id)
             if order.stop:
+                self.close()  # as rank 0 does: this rank's cached blocks are offered to its disk shard
                 return
             if order.run:
                 self.step()

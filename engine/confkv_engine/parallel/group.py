@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,16 +64,38 @@ def check_degree(world: int, num_heads: int, num_kv_heads: int) -> None:
 
 
 def init_group(rank: int, world: int, master_port: int, device: str,
-               timeout_s: float = DEFAULT_TIMEOUT_SECONDS, master_addr: str = "127.0.0.1") -> TPGroup:
-    """Join the group as ``rank`` (torchrun's environment: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE)."""
-    os.environ.setdefault("MASTER_ADDR", master_addr)
+               timeout_s: float = DEFAULT_TIMEOUT_SECONDS, master_addr: str = "127.0.0.1",
+               local_rank: int | None = None, join_timeout_s: float | None = None) -> TPGroup:
+    """Join the group as ``rank`` (torchrun's environment: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE).
+    ``local_rank``: this process's index on its node (its GPU); the global rank on one node.
+    ``join_timeout_s`` (default ``timeout_s``): how long the ranks may take to meet, at rank 0's
+    TCP store, before the group forms; across nodes a peer may still be pulling its image or
+    downloading the weights. Collectives afterwards time out after ``timeout_s``."""
+    os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world,
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
+    join = join_timeout_s or timeout_s
+    store = dist.TCPStore(master_addr, master_port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=join), wait_for_workers=False)
+    _meet(store, world, join)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return TPGroup(rank, world)
+
+
+def _meet(store: dist.TCPStore, world: int, timeout_s: float) -> None:
+    """Wait until every rank has checked in at the store (the group's own set-up then waits for
+    no one); raises TensorParallelError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    arrived = store.add("confkv/joined", 1)
+    while arrived < world:
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"only {arrived} of {world} tensor-parallel ranks joined within "
+                                      f"{timeout_s:.0f} s")
+        time.sleep(0.2)
+        arrived = store.add("confkv/joined", 0)
 
 
 def destroy_group() -> None:

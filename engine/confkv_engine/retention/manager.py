@@ -31,7 +31,7 @@ from confkv_engine.retention import budget, scorer
 from confkv_engine.retention.compaction import apply_precision, apply_tiers, held_bytes
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import HeadShards, RetentionState, accounting, decision_interval
-from confkv_engine.retention.scoring import score_pending
+from confkv_engine.retention.scoring import score_batch, score_pending
 from confkv_engine.retention.tiers import TierConfig, budget_target, chain_from_names, is_decision_point
 
 # Pressure mode: the budget applies while fewer than this fraction of the pool's blocks are free.
@@ -240,13 +240,22 @@ class RetentionManager:
     def under_pressure(self) -> bool:
         return self.cache.num_free < PRESSURE_FREE_FRACTION * self.cache.num_blocks
 
+    def score_decisions(self, items: list[tuple[SeqKV, RetentionState | None, int]]) -> None:
+        """Fold the recorded attention of every sequence of a step that reaches a decision point
+        (``(kv, state, num_computed after the step)``), waiting on the device once for all of them;
+        ``after_step`` then finds nothing left to score."""
+        due = [(seq, st) for seq, st, n in items if st is not None and is_decision_point(n, self.interval)]
+        if due:
+            score_batch(self.cache, due)
+
     def after_step(self, seq: SeqKV, state: RetentionState | None, num_computed: int) -> int:
         """Apply the policy when ``num_computed`` is a decision point; returns blocks freed."""
         if state is None:
             return 0
         state.peak_bytes = max(state.peak_bytes, self.held_bytes(seq, state))
         if is_decision_point(num_computed, self.interval):
-            score_pending(self.cache, seq, state)  # before the policy reads the accumulators
+            score_pending(self.cache, seq, state)  # before the policy reads them (none left when
+            # the engine scored the step's decisions together: score_decisions)
         new = state.decide(num_computed, self.under_pressure())
         if new is None:
             return 0

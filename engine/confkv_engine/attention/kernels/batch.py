@@ -25,6 +25,7 @@ the positions of a cache retention never compacted).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -68,8 +69,11 @@ class PagedBatch:
     @classmethod
     def build(cls, k_tables: list[list[int]], v_tables: list[list[int]], seq_lens: list[int],
               q_lens: list[int], key_only: list[tuple[int, int]] | None, block_size: int,
-              device: torch.device, window: int | None = None) -> PagedBatch:
-        """From Python lists (one per sequence); tables are padded with block 0 (never read)."""
+              device: torch.device, window: int | None = None,
+              send: Callable[[list, torch.dtype], Tensor] | None = None) -> PagedBatch:
+        """From Python lists (one per sequence); tables are padded with block 0 (never read).
+        ``send``: how a list reaches ``device`` (the engine's pinned staging; default
+        ``torch.tensor``)."""
         if window is not None and window < 1:
             raise ValueError(f"a sliding window holds at least one slot, got {window}")
         width = max(1, max(len(t) for t in k_tables))
@@ -78,7 +82,9 @@ class PagedBatch:
         for n in q_lens[:-1]:
             starts.append(starts[-1] + n)
 
-        def ints(x: object) -> Tensor:
+        def ints(x: list) -> Tensor:
+            if send is not None:
+                return send(x, torch.int32)
             return torch.tensor(x, dtype=torch.int32, device=device)
 
         return cls(ints(pad[0]), ints(pad[1]), ints(seq_lens), ints(starts), ints(q_lens),

@@ -90,7 +90,7 @@ class DiskSink:
         first = next((link for link in links if not link.cached), None)
         if first is None or self._closing.is_set() or not self.store.contains(first.key):
             return None
-        load = ChainLoad(links[:MAX_LOAD_BLOCKS], shape, dtype, scale_shape, pin)
+        load = ChainLoad(links[:MAX_LOAD_BLOCKS], shape, dtype, scale_shape, pin=pin)
         self._reads.put(load)
         return load
 
