@@ -8,6 +8,7 @@ and once with the paged kernel (``attention.kernels``; on CPU the view-based pat
 ``full`` with the same attention path. SmolLM2-135M, fp32 cache, CPU.
 
     python -m bench.micro.decode_step --threads 2 --shapes 8x2048,32x2048 --steps 8
+    python -m bench.micro.decode_step --shapes 8x2048 --paths gather   # the served (gathering) path only
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="8x2048,32x2048", help="batch x cached tokens, comma separated")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--paths", default="gather,in_place", help="attention paths timed (gather, in_place)")
     a = p.parse_args(argv)
     from confkv_engine.model.loader import load_model
 
@@ -73,20 +75,22 @@ def main(argv: list[str] | None = None) -> int:
         batch, seq_len = (int(x) for x in shape.split("x"))
         for variant in a.variants.split(","):
             row = {"shape": shape, "variant": variant}
-            for path, in_place in (("gather_ms", False), ("in_place_ms", True)):
-                row[path] = step_ms(loaded, variant, batch, seq_len, a.steps, in_place)
+            for path in a.paths.split(","):
+                row[f"{path}_ms"] = step_ms(loaded, variant, batch, seq_len, a.steps, path == "in_place")
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:
         full = next(r for r in rows if r["shape"] == row["shape"] and r["variant"] == "full")
-        row["gather_vs_full"] = round(row["gather_ms"] / full["gather_ms"], 2)
-        row["in_place_vs_full"] = round(row["in_place_ms"] / full["in_place_ms"], 2)
-    print(f"{'shape':>8} {'variant':>14} {'gather ms':>10} {'x full':>7} {'in-place ms':>12} {'x full':>7}")
+        for path in a.paths.split(","):
+            row[f"{path}_vs_full"] = round(row[f"{path}_ms"] / full[f"{path}_ms"], 2)
+    paths = a.paths.split(",")
+    print(f"{'shape':>8} {'variant':>14}" + "".join(f" {p + ' ms':>12} {'x full':>7}" for p in paths))
     for r in rows:
-        print(f"{r['shape']:>8} {r['variant']:>14} {r['gather_ms']:>10} {r['gather_vs_full']:>7} "
-              f"{r['in_place_ms']:>12} {r['in_place_vs_full']:>7}")
+        print(f"{r['shape']:>8} {r['variant']:>14}"
+              + "".join(f" {r[p + '_ms']:>12} {r[p + '_vs_full']:>7}" for p in paths))
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"threads": a.threads, "steps": a.steps, "rows": rows}, indent=1) + "\n")
+    report = {"threads": a.threads, "steps": a.steps, "paths": a.paths, "rows": rows}
+    OUT.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 

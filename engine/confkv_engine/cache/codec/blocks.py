@@ -21,6 +21,7 @@ from math import prod
 import torch
 from torch import Tensor
 
+from confkv_engine.cache.codec import native
 from confkv_engine.cache.codec.bitpack import pack, pack6, unpack, unpack6
 from confkv_engine.cache.codec.group_quant import (
     Params,
@@ -97,6 +98,12 @@ def decode_rows(rows: Tensor, spec: CodecSpec, dtype: torch.dtype = torch.float3
     if rows.dim() != 2:
         raise ValueError(f"rows must be [N, nbytes], got shape {tuple(rows.shape)}")
     codes, params = _sections(rows, spec)
+    if layer is None and native.covers(spec, dtype, rows.device):
+        target = out if out is not None else torch.empty((rows.shape[0], *spec.shape), dtype=dtype,
+                                                         device=rows.device)
+        if target.dtype == dtype and native.decode_into(rows, spec, *group_values(params, spec), target,
+                                                        _destinations(runs, rows.shape[0], rows.device)):
+            return target
     if layer is not None:
         if spec.axis == 0:
             raise ValueError("per-layer decode needs the groups off axis 0 (the layer axis)")
@@ -108,6 +115,16 @@ def decode_rows(rows: Tensor, spec: CodecSpec, dtype: torch.dtype = torch.float3
         params = (params[0][:, layer], params[1][:, layer])  # headers are per layer (axis != 0)
     scales, mins = group_values(params, spec)
     return dequantize_blocks(unpack(codes, spec.bits), scales, mins, spec, layer, dtype, out, runs)
+
+
+def _destinations(runs: Runs | None, n: int, device: torch.device) -> Tensor:
+    """Output row of each of ``n`` decoded rows under ``runs`` (-1: a row no run places)."""
+    if runs is None:
+        return torch.arange(n, device=device)
+    dst = torch.full((n,), -1, dtype=torch.long, device=device)
+    for first, src, count in runs:
+        dst[src:src + count] = torch.arange(first, first + count, device=device)
+    return dst
 
 
 def _flatten(codes: Tensor, params: Params, spec: CodecSpec, lead: tuple[int, ...]) -> Tensor:

@@ -28,6 +28,7 @@ they do (0.31x / 0.19x), so ``arena.block_codecs`` keeps fp16 key parameters in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -40,7 +41,8 @@ DQ_HEADER = 3  # fp16 (top, floor, step) per row of groups
 @dataclass(frozen=True)
 class CodecSpec:
     """How one block of ``shape`` is encoded: ``bits`` per code, groups of ``group`` along ``axis``,
-    group parameters stored as ``params`` ("fp16" or "dq6", see the module docstring)."""
+    group parameters stored as ``params`` ("fp16" or "dq6", see the module docstring). The derived
+    sizes are computed once per spec (the cache asks for a block's bytes many times a step)."""
 
     shape: tuple[int, ...]
     bits: int
@@ -68,59 +70,59 @@ class CodecSpec:
             raise ValueError(f"int{self.bits} packs {self.per_byte} codes per byte: group {self.group} "
                              f"must be a multiple of {self.per_byte}")
 
-    @property
+    @cached_property
     def per_byte(self) -> int:
         return 8 // self.bits
 
-    @property
+    @cached_property
     def levels(self) -> int:
         return (1 << self.bits) - 1
 
-    @property
+    @cached_property
     def groups_shape(self) -> tuple[int, ...]:
         """Shape of scales and mins: the block's other axes in order, then the groups of ``axis``."""
         others = tuple(s for i, s in enumerate(self.shape) if i != self.axis)
         return (*others, self.shape[self.axis] // self.group)
 
-    @property
+    @cached_property
     def packed_shape(self) -> tuple[int, ...]:
         """Shape of the packed codes: ``groups_shape`` then ``group / per_byte`` bytes."""
         return (*self.groups_shape, self.group // self.per_byte)
 
-    @property
+    @cached_property
     def num_groups(self) -> int:
         return prod(self.groups_shape)
 
-    @property
+    @cached_property
     def rows_shape(self) -> tuple[int, ...]:
         """dq6: one header per row; a row is the last two axes of ``groups_shape``."""
         return self.groups_shape[:-2]
 
-    @property
+    @cached_property
     def row_groups(self) -> int:
         return prod(self.groups_shape[-2:])
 
-    @property
+    @cached_property
     def row_code_nbytes(self) -> int:
         """dq6: bytes of one row's 6-bit codes (two per group, four per 3 bytes)."""
         return 3 * -(-2 * self.row_groups // 4)
 
-    @property
+    @cached_property
     def codes_nbytes(self) -> int:
         return prod(self.packed_shape)
 
-    @property
+    @cached_property
     def params_nbytes(self) -> int:
         if self.params == "fp16":
             return 4 * self.num_groups
         return prod(self.rows_shape) * (2 * DQ_HEADER + self.row_code_nbytes)
 
-    @property
+    @cached_property
     def params_offset(self) -> int:
         """Where the group parameters start: after the codes, at an even offset (fp16 alignment)."""
         return self.codes_nbytes + (self.codes_nbytes & 1)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Exact size of ``to_bytes``: codes, padding to an even offset, group parameters."""
         return self.params_offset + self.params_nbytes

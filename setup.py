@@ -1,0 +1,22 @@
+"""The native part of the build: the codec's block decoder (``cache/codec/_dequant.c``).
+
+Everything else is declared in pyproject.toml. The library is plain C with a C ABI (no Python or
+PyTorch headers; ``codec.native`` loads it with ctypes), optional: without a C compiler the install
+goes on and the codec decodes with PyTorch ops. OpenMP where the compiler has it.
+"""
+
+import os
+import sys
+
+from setuptools import Extension, setup
+
+OPENMP = [] if sys.platform == "darwin" or os.environ.get("CONFKV_NO_OPENMP") else ["-fopenmp"]
+
+setup(ext_modules=[Extension(
+    "confkv_engine.cache.codec._dequant",
+    sources=["engine/confkv_engine/cache/codec/_dequant.c"],
+    extra_compile_args=["-O3", "-ffp-contract=off", *OPENMP],
+    extra_link_args=OPENMP,
+    libraries=["m"],
+    optional=True,
+)])
