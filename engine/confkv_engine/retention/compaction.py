@@ -57,8 +57,7 @@ def apply_tiers(cache: KVCache, seq: SeqKV, state: RetentionState, new: Tensor) 
     code = torch.where(state.pos < state.base, 0, code)
     order = (code * (1 << 40) + state.pos).argsort(dim=-1)[..., :n_new]  # [L, Hkv, n_new]
     freed = cache.rewrite(seq, order, n_key, state.base)
-    state.pos, state.tiers = state.pos.gather(-1, order), new.gather(-1, order)
-    state.acc, state.norm = state.acc.gather(-1, order), state.norm.gather(-1, order)
+    state.keep_slots(order, new)
     state.n_key = n_key
     return freed
 
@@ -71,8 +70,8 @@ def held_bytes(cache: KVCache, seq: SeqKV, state: RetentionState | None) -> int:
 
 def _select_slots(state: RetentionState, new: Tensor, keep: Tensor) -> Tensor:
     """Keep the slot columns ``keep`` [n] (bool) of the state's mirrors; returns ``new`` likewise."""
-    state.pos, state.tiers = state.pos[..., keep], state.tiers[..., keep]
-    state.acc, state.norm = state.acc[..., keep], state.norm[..., keep]
+    order = keep.nonzero()[:, 0].expand(*state.tiers.shape[:-1], -1)
+    state.keep_slots(order)
     return new[..., keep]
 
 
@@ -122,8 +121,7 @@ def apply_precision(cache: KVCache, seq: SeqKV, state: RetentionState, new: Tens
     n_new = _uniform_count(new != Tier.DISCARD)
     order = (code.long() * (1 << 40) + key).argsort(dim=-1)[..., :n_new]
     cache.rewrite(seq, order, 0, fixed)
-    state.pos, state.tiers = state.pos.gather(-1, order), new.gather(-1, order)
-    state.acc, state.norm = state.acc.gather(-1, order), state.norm.gather(-1, order)
+    state.keep_slots(order, new)
     done = freeze_blocks(cache, seq, fixed // bs, bits, state.cfg.tiers.precision_group)
     if done < len(bits):  # the codec refused a block: its tokens stay in the pool, as FULL
         state.tiers[..., fixed + done * bs:fixed + len(bits) * bs] = Tier.FULL

@@ -19,6 +19,16 @@ Precision tiers (``precision``): slots ``[base, base + frozen)`` are whole block
 compressed store (``cache.tiered``), one precision tier per block; KEY_ONLY (its own chain, never
 with precision tiers) starts after them, at ``key_start``.
 
+Where the state lives: the per-slot mirrors (positions, tiers, accumulators) are host tensors in
+capacity-backed buffers (``slots.SlotColumns``), appended and rewritten in place and grown by
+doubling, so a decode step copies nothing old; the recorded queries stay on the model's device in a
+preallocated ring (``slots.QueryRing``). The device never waits on them inside the forward pass:
+the backend reads a step's positions back once for every sequence, and at a decision step
+``scoring.score_batch`` queues every sequence's attention probabilities into pinned host buffers and
+waits once, feeding the host accumulators. The policy then runs on the host, on tensors of
+``units x slots`` numbers, small next to the KV they govern (``units x slots x head_dim`` per K and V
+on the device), and only its slot order goes back to the cache.
+
 Prefix-cache rule: a prefix shared through the prefix cache is the immutable region ``[0, base)``;
 retention decides and rewrites only the slots after it (``KVCache.rewrite`` refuses shared blocks),
 so it only ever changes a request's private blocks.
@@ -37,6 +47,7 @@ from confkv_engine.cache.tiered import tier_pair_bytes
 from confkv_engine.retention import policies, scorer
 from confkv_engine.retention.budget import ScheduleState
 from confkv_engine.retention.policies import RetentionConfig, SlotView
+from confkv_engine.retention.slots import QueryRing, SlotColumns
 from confkv_engine.retention.tiers import (
     PRECISION_TIERS,
     TIER_BITS,
@@ -91,10 +102,7 @@ class RetentionState:
     head_dim: int
     group: int
     interval: int
-    pos: Tensor = field(init=False)
-    tiers: Tensor = field(init=False)
-    acc: Tensor = field(init=False)
-    norm: Tensor = field(init=False)
+    slots: SlotColumns = field(init=False)  # pos, tiers, acc, norm per slot (see ``slots``)
     v_mean: Tensor = field(init=False)
     v_weight: Tensor = field(init=False)
     c_samp: list[float] = field(default_factory=list)
@@ -104,8 +112,7 @@ class RetentionState:
     peak_bytes: int = 0
     first_eviction: int | None = None  # length at the first decision that changed a tier
     prev_window: int | None = None  # recent window at the previous decision
-    q_ring: list[list[Tensor]] = field(init=False)  # per layer: queries since the last decision
-    q_ring_pos: list[Tensor] = field(default_factory=list)  # their positions, one tensor per step
+    q_ring: QueryRing = field(init=False)  # per layer: queries since the last decision
     # Slots [0, base) hold a prefix shared through the prefix cache when the state was created:
     # immutable and never moved; KEY_ONLY slots are [base, base + n_key). Positions below ``protect``
     # (the prefix the request shared when it was first admitted; >= base) are always FULL: the
@@ -118,22 +125,41 @@ class RetentionState:
     shards: HeadShards | None = None
 
     def __post_init__(self) -> None:
-        shape = (self.num_layers, self.num_kv_heads, self.base)
-        self.pos = torch.arange(self.base, dtype=torch.long).expand(shape).contiguous()
-        self.tiers = torch.zeros(shape, dtype=torch.int8)
-        self.acc = torch.zeros(shape, dtype=torch.float32)
-        self.norm = torch.zeros(shape, dtype=torch.float32)
+        self.slots = SlotColumns(self.num_layers, self.num_kv_heads, self.base, self.base + self.interval)
         if max(self.base, self.protect) > self.cfg.tiers.sinks:
             sinks = max(self.base, self.protect)
             self.cfg = replace(self.cfg, tiers=replace(self.cfg.tiers, sinks=sinks))
         self.v_mean = torch.zeros(self.num_layers, self.num_kv_heads, self.head_dim)
         self.v_weight = torch.zeros(self.num_layers, self.num_kv_heads)
         self.last_query = [-1] * self.num_layers
-        self.q_ring = [[] for _ in range(self.num_layers)]
+        self.q_ring = QueryRing(self.num_layers, self.interval)
+
+    # Views of the first ``num_slots`` columns of the capacity-backed buffers: in-place writes
+    # through them update the state; a rewrite of the slots goes through ``keep_slots``.
+    @property
+    def pos(self) -> Tensor:
+        return self.slots.pos
+
+    @property
+    def tiers(self) -> Tensor:
+        return self.slots.tiers
+
+    @property
+    def acc(self) -> Tensor:
+        return self.slots.acc
+
+    @property
+    def norm(self) -> Tensor:
+        return self.slots.norm
 
     @property
     def num_slots(self) -> int:
-        return self.pos.shape[-1]
+        return self.slots.size
+
+    def keep_slots(self, order: Tensor, tiers: Tensor | None = None) -> None:
+        """Keep the slot columns ``order`` [L, Hkv, m] (per unit, in that order) of every mirror,
+        taking the tiers from ``tiers`` (the new ones) when given (``SlotColumns.keep``)."""
+        self.slots.keep(order, tiers)
 
     @property
     def key_start(self) -> int:
@@ -153,30 +179,18 @@ class RetentionState:
     def on_append(self, positions: Tensor) -> None:
         """New tokens (absolute ``positions`` [T], a host tensor: the backend reads a step's positions
         back once for every sequence) were appended to every unit as FULL."""
-        t = positions.numel()
-        lh = (self.num_layers, self.num_kv_heads, t)
-        self.pos = torch.cat([self.pos, positions.long().expand(lh)], -1)
-        self.tiers = torch.cat([self.tiers, torch.zeros(lh, dtype=torch.int8)], -1)
-        self.acc = torch.cat([self.acc, torch.zeros(lh)], -1)
-        self.norm = torch.cat([self.norm, torch.zeros(lh)], -1)
+        self.slots.append(positions)
         if self.wants_probs:
-            self.q_ring_pos.append(positions.long())
+            self.q_ring.add_positions(positions)
 
     def on_queries(self, layer: int, q: Tensor) -> None:
         """Post-RoPE queries [T, Hq, D] of this step at ``layer``, scored at the next decision."""
-        self.q_ring[layer].append(q.detach().clone())
+        self.q_ring.add(layer, q)
 
     def take_queries(self) -> tuple[list[Tensor], Tensor] | None:
-        """The recorded queries (per layer [T, Hq, D]) and positions [T]; empties the ring."""
-        if not self.q_ring_pos:
-            return None
-        pos = torch.cat(self.q_ring_pos)
-        if any(sum(x.shape[0] for x in ring) != pos.numel() for ring in self.q_ring):
-            raise RuntimeError("query ring out of step with the appended positions")
-        out = [torch.cat(ring) for ring in self.q_ring]
-        self.q_ring = [[] for _ in range(self.num_layers)]
-        self.q_ring_pos = []
-        return out, pos
+        """The recorded queries (per layer [T, Hq, D], views of the ring: consume them before the
+        next step records) and positions [T]; empties the ring."""
+        return self.q_ring.take()
 
     def on_attention(self, layer: int, probs: Tensor, query_pos: Tensor) -> None:
         """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer, and the
