@@ -1,6 +1,7 @@
-"""The codes-attention prototype (bench.micro.codes_attention) equals decode-then-attend on random
-int4 blocks: GQA ratios 1 and 3, head dims 64 and 128, fp32 and bf16 queries (the prototype
-computes in fp32; the reference gets the same fp32 queries). Needs gcc and the native codec."""
+"""The codes-attention prototype (testkit.codes_attention, timed by bench.micro.codes_attention)
+equals decode-then-attend on random int4 blocks: GQA ratios 1 and 3, head dims 64 and 128, fp32 and
+bf16 queries (the prototype computes in fp32; the reference gets the same fp32 queries). Needs gcc
+and the native codec."""
 
 import shutil
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None or not native.availa
 
 @pytest.fixture(scope="module")
 def lib():
-    from bench.micro.codes_attention import build
+    from testkit.codes_attention import build
     return build()
 
 
@@ -24,7 +25,7 @@ def lib():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("parts", [1, 2, 3])
 def test_codes_attention_equals_decode_then_attend(lib, group, dim, dtype, parts):
-    from bench.micro.codes_attention import Blocks
+    from testkit.codes_attention import Blocks
     torch.manual_seed(group * dim + parts)
     b = Blocks(11, heads=2, group=group, dim=dim, dtype=dtype)
     got, want = b.from_codes(lib, parts), b.reference()
