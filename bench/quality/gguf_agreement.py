@@ -79,6 +79,8 @@ def greedy(url: str, prompt: list[int], tokens: int) -> tuple[list[str], list[fl
     resp = httpx.post(url + "/v1/completions", json=body, timeout=600)
     resp.raise_for_status()
     lp = resp.json()["choices"][0]["logprobs"]
+    if "content" in lp:  # llama-server's newer completions format: one entry per token
+        return [e["token"] for e in lp["content"]], [float(e["logprob"]) for e in lp["content"]]
     return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
 
 
