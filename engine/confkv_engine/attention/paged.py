@@ -139,8 +139,9 @@ class PagedAttention:
         self.decode_rows: slice | Tensor = (
             slice(0, len(dec)) if dec_rows == list(range(len(dec))) else self.cache.staging.send(dec_rows))
         self.offsets = offsets
-        self._window = (None if self.cache.spec.layer_groups is None else
-                        WindowStep(self.cache, seqs, num_new, self.group, offsets, self.cache.spec.compute_dtype))
+        spec = self.cache.spec
+        self._window = (None if spec.layer_groups is None else
+                        WindowStep(self.cache, seqs, num_new, self.group, offsets, spec.compute_dtype))
         if self.kernel is not None:
             self.decode, self.prefills = [], []
             self._begin_paged(seqs, num_new)

@@ -79,6 +79,13 @@ class LayerGroups:
                 return g, members.index(layer)
         raise ValueError(f"layer {layer} is in no group")
 
+    def ideal_bytes(self, num_tokens: int, layer_slot_bytes: int) -> int:
+        """K and V bytes of ``num_tokens`` with every global layer's tokens and every local layer's last
+        window, nothing more (``layer_slot_bytes``: one token's K, or V, in one layer)."""
+        local = sum(len(g) for g in self.local_groups)
+        tokens = len(self.global_layers) * num_tokens + local * min(num_tokens, self.window)
+        return 2 * tokens * layer_slot_bytes
+
     def held_window_blocks(self, block_size: int) -> int:
         """Blocks a window table holds between two steps at most: the window, straddling blocks."""
         return -(-(self.window - 1) // block_size) + 1

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -55,6 +54,7 @@ from torch import Tensor
 from confkv_engine.cache.arena import CompressedStore, GatherPlan
 from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks, is_compressed
 from confkv_engine.cache.compress import compress_now, promote_entry, select_cold, select_tables
+from confkv_engine.cache.disk_tier import DiskTier, EvictionSink
 from confkv_engine.cache.eviction import LRUK
 from confkv_engine.cache.groups import GLOBAL, WindowTables
 from confkv_engine.cache.layout import (
@@ -64,29 +64,16 @@ from confkv_engine.cache.layout import (
     WritePlan,
 )
 from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
-from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad, PrefixHit, chain_links
+from confkv_engine.cache.readback import PrefixHit
 from confkv_engine.cache.rewrite import rewrite_seq
 from confkv_engine.cache.staging import HostStaging
 from confkv_engine.cache.storage import DeviceKV
-from confkv_engine.cache.streams import CacheStreams, PendingBytes, copy_to_host
+from confkv_engine.cache.streams import CacheStreams
 
 __all__ = ["CacheSpec", "CompressResult", "EvictionSink", "KVCache", "PrefixHit", "SeqKV", "WritePlan"]
 
 
-class EvictionSink(Protocol):
-    """Where evicted prefix blocks go and come back from (``disk.sink.DiskSink``); must not block long."""
-
-    def spill(self, entry: CachedBlock, payload: PendingBytes, uses: int) -> None:
-        """Keep ``payload.bytes()`` (read them off the engine thread: on CUDA they are in flight)."""
-        ...
-
-    def start_load(self, links: list[ChainLink], shape: tuple[int, ...], dtype: torch.dtype,
-                   scale_shape: tuple[int, ...] | None = None, pin: bool = False) -> ChainLoad | None:
-        """Start reading ``links`` back off the engine thread (``readback``); None: nothing to read."""
-        ...
-
-
-class KVCache:
+class KVCache(DiskTier):
     def __init__(self, spec: CacheSpec, num_blocks: int, prefix_salt: bytes | None = None,
                  eviction_k: int = 2, sink: EvictionSink | None = None, chain_history: bool = True,
                  streams: CacheStreams | None = None) -> None:
@@ -116,8 +103,8 @@ class KVCache:
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
         groups = spec.layer_groups
-        self.windows = (None if groups is None else
-                        WindowTables(groups, spec.block_size, self.null_block, self.take_blocks, self.free_blocks))
+        self.windows = None if groups is None else WindowTables(
+            groups, spec.block_size, self.null_block, self.take_blocks, self.free_blocks)
         self.store = CompressedStore(self.kv, self.pool)
         self._evictable_handles = 0  # compressed entries of evictable prefix blocks (no pool block)
         self._cold: dict[bytes, float] = {}  # evictable entries with a pool block: release time, oldest first
@@ -358,32 +345,6 @@ class KVCache:
         load = self.request_load(tokens, blocks, max_blocks) if read_disk else None
         return PrefixHit(blocks, len(blocks) * self.spec.block_size, self.evictable_among(blocks), load)
 
-    def request_load(self, tokens: list[int], found: list[CachedBlock], max_blocks: int) -> ChainLoad | None:
-        """Ask the disk store to read back the blocks continuing ``found`` (a ``match``) over ``tokens``,
-        up to ``max_blocks`` blocks in all; None when there is none to read (see ``readback``)."""
-        spec = self.spec
-        stop = min(max_blocks, len(found) + MAX_LOAD_BLOCKS, len(tokens) // spec.block_size)
-        if self.sink is None or self.prefix is None or stop <= len(found):
-            return None
-        links = chain_links(tokens, len(found), stop, found[-1].key if found else None, self.prefix.salt,
-                            spec.block_size, self.prefix)
-        shape = (2, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        scale_shape = None if self.scale is None else shape[:-1]
-        pin = self.streams.compute is not None  # a CUDA pool: decode into pinned memory
-        return self.sink.start_load(links, shape, spec.dtype, scale_shape, pin)
-
-    def install_load(self, load: ChainLoad) -> int:
-        """Insert a finished load's blocks as evictable cached entries, in chain order, up to the first
-        block that is neither cached nor loaded (or when no block is free); returns blocks inserted."""
-        inserted = 0
-        for link in load.links:
-            if self.prefix is not None and link.key in self.prefix:
-                continue
-            if not self._insert_pair(link, load):
-                break
-            inserted += 1
-        return inserted
-
     def evictable_among(self, entries: list[CachedBlock]) -> int:
         """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
         evictable = [e for e in entries if e.key in self.eviction]
@@ -432,49 +393,6 @@ class KVCache:
             self.eviction.touch(key, self._clock, parent)  # a new block takes its chain's history
             added += 1
         return added
-
-    def entry_payload(self, entry: CachedBlock) -> bytes:
-        """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
-        return self.spill_payload(entry).bytes()
-
-    def spill_payload(self, entry: CachedBlock) -> PendingBytes:
-        """``entry_payload``'s bytes, copied off the device on the spill stream (``streams``)."""
-        blocks = (entry.k_block, entry.v_block)
-
-        def parts() -> list[Tensor]:
-            data = [self.store.block_data(b) for b in blocks]
-            if self.scale is not None:  # then the blocks' scales, [L, bs, Hkv] fp16 each
-                data += [self.storage.block_scales(b) for b in blocks]
-            return data
-        return copy_to_host(self.streams, self.streams.spill, parts)
-
-    def _insert_pair(self, link: ChainLink, load: ChainLoad) -> bool:
-        """One loaded block pair as an evictable entry; False when it was not loaded or no block is free."""
-        pair = load.pairs.get(link.key)
-        if pair is None or self.prefix is None or not self.can_allocate(2):
-            return False
-        k_block, v_block = self.take_blocks(2)
-        data, scales = pair
-        side = self.streams.readback  # host-to-device on the read-back stream, then the compute one waits
-        side.wait(self.streams.fence())
-        with side.running():
-            for i, b in enumerate((k_block, v_block)):
-                self.storage.set_block(b, data[i], None if scales is None else scales[i])
-        self.streams.hand_over(side.record())
-        entry = CachedBlock(link.key, link.parent, link.tokens, k_block, v_block)
-        self.prefix.insert(entry)
-        self.eviction.touch(link.key, self._clock, link.parent)
-        self._mark_evictable(entry)  # the index's reference only: evictable until someone hits it
-        return True
-
-    def offer_all(self) -> int:
-        """Offer every cached entry to the sink (at shutdown, so a restart finds them on disk)."""
-        if self.sink is None or self.prefix is None:
-            return 0
-        entries = self.prefix.entries()
-        for entry in entries:
-            self.sink.spill(entry, self.spill_payload(entry), self.eviction.uses(entry.key))
-        return len(entries)
 
     # ---- compression (``cache.compress``; ``store`` counts them and their bytes) -------------
     def compress_cold(self, bits: int, group: int, cold_after: float, limit: int,
