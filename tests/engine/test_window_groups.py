@@ -148,3 +148,66 @@ def test_grouped_cache_logits_equal_dense(arch, chunk, block, tmp_path):
     ours = _grouped_logits(model, tokens, prompt_len, chunk, block)
     assert (ours - ref).abs().max().item() <= 1e-4
     assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+def _tiny_engine(tmp_path, blocks: int | None = None):
+    """The tiny Gemma 3 served by ``LLMEngine`` (fp32, 16-token blocks), ``blocks`` usable blocks."""
+    from confkv_api.config import ConfKVConfig
+    from confkv_engine.core.engine import LLMEngine
+
+    pytest.importorskip("transformers")
+    _, model_dir = make_tiny_hf_model("gemma3", tmp_path)
+    loaded = load_model(str(model_dir))
+    args = loaded.model.args  # one global layer: blocks of one layer
+    block_bytes = args.num_kv_heads * (args.head_dim * 4 + 4) * 16
+    size = "8Mi" if blocks is None else str((blocks + 1) * block_bytes)
+    cfg = ConfKVConfig.model_validate({
+        "engine": {"prefillChunk": 16, "maxNumBatchedTokens": 64, "blockSize": 16, "maxBatchSize": 4},
+        "confkv": {"maxCacheSize": size}})
+    return loaded, LLMEngine(loaded, cfg)
+
+
+def _run(eng, prompts: list[list[int]], params) -> dict:
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    final = {}
+    while eng.has_unfinished():
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    return final
+
+
+def test_engine_greedy_equals_dense_and_retention_acts_on_the_global_group(tmp_path):
+    from confkv_engine.core.sampling_params import SamplingParams
+
+    loaded, eng = _tiny_engine(tmp_path)
+    assert eng.cache.spec.layer_groups is not None and not eng.cache.prefix_enabled
+    prompts = [[(i * k + 11) % 250 for i in range(60 + 9 * k)] for k in (1, 2, 3)]
+    full = _run(eng, prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    for i, p in enumerate(prompts):  # batched through the grouped cache = dense, every key kept
+        out = full[f"r{i}"].output_token_ids
+        ref = dense_logits(loaded.model, p + list(out[:-1]), len(p))[len(p) - 1:]
+        assert ref.argmax(-1).tolist() == list(out)
+    assert eng.cache.used_bytes == 0
+    kept = _run(eng, prompts[:1], SamplingParams(max_tokens=24, temperature=0.0, kv_policy="conf-kv",
+                                                 kv_budget=0.3))["r0"]
+    assert len(kept.output_token_ids) == 24
+    assert kept.kv_usage.tokens_discarded + kept.kv_usage.tokens_key_only > 0  # it acted
+    assert kept.kv_usage.peak_kv_bytes < full["r0"].kv_usage.peak_kv_bytes
+    assert eng.cache.used_bytes == 0
+
+
+def test_engine_preempts_and_replays_grouped_sequences(tmp_path):
+    """A pool too small for three sequences at once: preemption frees their window tables too, and
+    the replays give the dense reference's tokens."""
+    from confkv_engine.core.sampling_params import SamplingParams
+
+    loaded, eng = _tiny_engine(tmp_path, blocks=40)
+    assert eng.cache.num_blocks == 40
+    prompts = [[(i * k + 5) % 250 for i in range(70 + 7 * k)] for k in (1, 2, 3)]
+    final = _run(eng, prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    assert eng.scheduler.num_preemptions > 0
+    for i, p in enumerate(prompts):
+        out = final[f"r{i}"].output_token_ids
+        ref = dense_logits(loaded.model, p + list(out[:-1]), len(p))[len(p) - 1:]
+        assert ref.argmax(-1).tolist() == list(out)
+    assert eng.cache.used_bytes == 0
