@@ -27,7 +27,9 @@ step's tokens are the sequences' new tokens flattened in the order given.
   decode rows through a second mask that also hides the slots before the window, prefill chunks
   through one masked call over the gathered context. Slots stand for positions while none has been
   discarded; once retention frees slots, a window of W slots reaches further back than W positions.
-  The blocks before every window stay allocated (the pool is shared by all layers).
+  The blocks before every window stay allocated when all layers share one table; a model mixing
+  global and window layers keeps the window layers in groups of their own (``cache.groups``), read
+  through ``window_groups.WindowStep``, and ``attend`` maps each model layer to its pool layer.
 - Not done, measured: attending runs of a table that are consecutive in the pool straight from
   the pool (a view, no copy), combined with the gathered rest by log-sum-exp. With the tables
   chunked prefill produces (runs of one chunk) the extra kernel calls and the combine cost more
@@ -45,6 +47,7 @@ from torch import Tensor
 
 from confkv_engine.attention import partial
 from confkv_engine.attention.kernels import PagedBatch, PagedKernel, kernel_for
+from confkv_engine.attention.window_groups import WindowStep
 from confkv_engine.cache.arena import GatherPlan
 from confkv_engine.cache.block_pool import is_compressed
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV, WritePlan
@@ -136,6 +139,9 @@ class PagedAttention:
         self.decode_rows: slice | Tensor = (
             slice(0, len(dec)) if dec_rows == list(range(len(dec))) else self.cache.staging.send(dec_rows))
         self.offsets = offsets
+        spec = self.cache.spec
+        self._window = (None if spec.layer_groups is None else
+                        WindowStep(self.cache, seqs, num_new, self.group, offsets, spec.compute_dtype))
         if self.kernel is not None:
             self.decode, self.prefills = [], []
             self._begin_paged(seqs, num_new)
@@ -224,7 +230,10 @@ class PagedAttention:
 
     # ---- per layer -----------------------------------------------------------------------------
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
-        self.cache.write(layer, self.writes, k, v)  # cast to the pool's dtype (kvCacheDtype)
+        group, layer = self.cache.place(layer)  # from here on ``layer`` is a pool layer
+        self.cache.write(layer, self.writes, k, v, group)  # cast to the pool's dtype (kvCacheDtype)
+        if group >= 0 and self._window is not None:  # a window group's layer: its own tables
+            return self._window.attend(group, layer, q)
         if self.paged is not None:
             return self._attend_paged(layer, q, window)
         parts = []

@@ -26,6 +26,8 @@ Layout:
   a sequence only ever writes slots past them, and ``rewrite`` refuses to touch them. Unreferenced
   cached blocks stay in the pool, evictable in LRU-K order, and are reclaimed only when the free
   list runs short.
+- **Window groups** (``groups``): a model mixing global and sliding-window layers keeps its window
+  layers in groups of their own tables, whose blocks before the window go back after each step.
 - **Compressed blocks** (``arena``): a table entry or prefix entry may be a handle naming a
   quantized copy kept inside pool memory (``block_pool.is_compressed`` tells the kinds apart, the
   only place that knows how). Every reference-count operation dispatches on the kind;
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -53,7 +54,9 @@ from torch import Tensor
 from confkv_engine.cache.arena import CompressedStore, GatherPlan
 from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks, is_compressed
 from confkv_engine.cache.compress import compress_now, promote_entry, select_cold, select_tables
+from confkv_engine.cache.disk_tier import DiskTier, EvictionSink
 from confkv_engine.cache.eviction import LRUK
+from confkv_engine.cache.groups import GLOBAL, WindowTables
 from confkv_engine.cache.layout import (
     CacheSpec,
     CompressResult,
@@ -61,29 +64,16 @@ from confkv_engine.cache.layout import (
     WritePlan,
 )
 from confkv_engine.cache.prefix import CachedBlock, HitCounter, PrefixIndex, block_key
-from confkv_engine.cache.readback import MAX_LOAD_BLOCKS, ChainLink, ChainLoad, PrefixHit, chain_links
+from confkv_engine.cache.readback import PrefixHit
 from confkv_engine.cache.rewrite import rewrite_seq
 from confkv_engine.cache.staging import HostStaging
 from confkv_engine.cache.storage import DeviceKV
-from confkv_engine.cache.streams import CacheStreams, PendingBytes, copy_to_host
+from confkv_engine.cache.streams import CacheStreams
 
 __all__ = ["CacheSpec", "CompressResult", "EvictionSink", "KVCache", "PrefixHit", "SeqKV", "WritePlan"]
 
 
-class EvictionSink(Protocol):
-    """Where evicted prefix blocks go and come back from (``disk.sink.DiskSink``); must not block long."""
-
-    def spill(self, entry: CachedBlock, payload: PendingBytes, uses: int) -> None:
-        """Keep ``payload.bytes()`` (read them off the engine thread: on CUDA they are in flight)."""
-        ...
-
-    def start_load(self, links: list[ChainLink], shape: tuple[int, ...], dtype: torch.dtype,
-                   scale_shape: tuple[int, ...] | None = None, pin: bool = False) -> ChainLoad | None:
-        """Start reading ``links`` back off the engine thread (``readback``); None: nothing to read."""
-        ...
-
-
-class KVCache:
+class KVCache(DiskTier):
     def __init__(self, spec: CacheSpec, num_blocks: int, prefix_salt: bytes | None = None,
                  eviction_k: int = 2, sink: EvictionSink | None = None, chain_history: bool = True,
                  streams: CacheStreams | None = None) -> None:
@@ -99,7 +89,8 @@ class KVCache:
         # computed in (a bf16 pool of an fp32 model holds other values than one of a bf16 model).
         computed = "" if spec.compute_dtype == spec.dtype else f"|{spec.compute_dtype}"
         layout = f"|{spec.dtype}{computed}|{spec.block_size}".encode()
-        salt = None if prefix_salt is None else prefix_salt + layout
+        # A grouped model has no prefix cache (``groups``: a hit would need every window group's window).
+        salt = None if prefix_salt is None or spec.layer_groups else prefix_salt + layout
         self.prefix = None if salt is None else PrefixIndex(salt)
         self.eviction = LRUK(eviction_k, chain_history=chain_history)
         self.hits = HitCounter()
@@ -111,6 +102,9 @@ class KVCache:
         self.storage = DeviceKV(spec, num_blocks, self.staging)
         # Reserved now, so the blocks a KEY_ONLY demotion needs are never short.
         self.null_block = self.pool.allocate(1)[0]
+        groups = spec.layer_groups
+        self.windows = None if groups is None else WindowTables(
+            groups, spec.block_size, self.null_block, self.take_blocks, self.free_blocks)
         self.store = CompressedStore(self.kv, self.pool)
         self._evictable_handles = 0  # compressed entries of evictable prefix blocks (no pool block)
         self._cold: dict[bytes, float] = {}  # evictable entries with a pool block: release time, oldest first
@@ -228,8 +222,21 @@ class KVCache:
         return n <= self.num_free
 
     def held_blocks(self, seq: SeqKV) -> int:
-        """Pool blocks the sequence holds (K and V tables; null entries are nobody's)."""
-        return len(seq.k_blocks) + sum(1 for b in seq.v_blocks if b != self.null_block)
+        """Pool blocks the sequence holds (K and V tables, window groups' included; null entries are
+        nobody's)."""
+        held = len(seq.k_blocks) + sum(1 for b in seq.v_blocks if b != self.null_block)
+        return held + (self.windows.held(seq) if self.windows is not None else 0)
+
+    def window_bytes(self, seq: SeqKV) -> int:
+        """Bytes the sequence's window groups hold (0 without groups); ``seq_bytes`` leaves them out,
+        since budgets bound the global layers only."""
+        return self.windows.held(seq) * self.spec.block_bytes if self.windows is not None else 0
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(group, pool layer) of model layer ``layer``: ``groups.GLOBAL`` and the layer itself
+        without groups."""
+        groups = self.spec.layer_groups
+        return (GLOBAL, layer) if groups is None else groups.place(layer)
 
     def seq_bytes(self, seq: SeqKV) -> int:
         """Bytes a sequence holds in the pool (K and V blocks, position metadata included; a
@@ -239,22 +246,30 @@ class KVCache:
                 + sum(self.store.nbytes(b) for b in blocks if is_compressed(b)))
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        """Blocks a full (unevicted) cache of ``num_tokens`` needs: K and V tables."""
-        return 2 * -(-num_tokens // self.spec.block_size)
+        """Blocks a full (unevicted) cache of ``num_tokens`` needs between steps: K and V tables (and
+        the window groups' windows)."""
+        extra = self.windows.blocks_for_tokens(num_tokens) if self.windows is not None else 0
+        return 2 * -(-num_tokens // self.spec.block_size) + extra
 
     def blocks_needed(self, seq: SeqKV, num_new: int) -> int:
         """Extra blocks needed to append ``num_new`` tokens."""
         per_table = -(-(seq.num_slots + num_new) // self.spec.block_size)
-        return max(0, per_table - len(seq.k_blocks)) + max(0, per_table - len(seq.v_blocks))
+        extra = self.windows.needed(seq, num_new) if self.windows is not None else 0
+        return max(0, per_table - len(seq.k_blocks)) + max(0, per_table - len(seq.v_blocks)) + extra
 
     # ---- tables ----------------------------------------------------------------------------
     def reserve(self, seq: SeqKV, num_new: int) -> None:
         """Allocate the blocks for ``num_new`` more slots (raises NoFreeBlocks, allocating nothing)."""
         per_table = -(-(seq.num_slots + num_new) // self.spec.block_size)
         need_k, need_v = max(0, per_table - len(seq.k_blocks)), max(0, per_table - len(seq.v_blocks))
+        if self.windows is not None and self.blocks_needed(seq, num_new) > self.num_free:
+            raise NoFreeBlocks(f"need {self.blocks_needed(seq, num_new)} blocks, {self.num_free} free "
+                               f"or evictable of {self.num_blocks}")
         blocks = self.take_blocks(need_k + need_v)
         seq.k_blocks.extend(blocks[:need_k])
         seq.v_blocks.extend(blocks[need_k:])
+        if self.windows is not None:
+            self.windows.reserve(seq, num_new)
 
     def free(self, seq: SeqKV) -> None:
         """Drop the sequence's references (K table first, then V) and reset it. Its blocks the prefix
@@ -267,6 +282,8 @@ class KVCache:
             if mine and self.store.ref(entry.k_block) == 1:
                 self._mark_evictable(entry)
         seq.k_blocks, seq.v_blocks, seq.num_slots, seq.block_keys = [], [], 0, []
+        if self.windows is not None:
+            self.windows.release(seq)
 
     # ---- the one way blocks come and go (``owner.BlockOwner``) --------------------------------
     def take_blocks(self, n: int) -> list[int]:
@@ -328,32 +345,6 @@ class KVCache:
         load = self.request_load(tokens, blocks, max_blocks) if read_disk else None
         return PrefixHit(blocks, len(blocks) * self.spec.block_size, self.evictable_among(blocks), load)
 
-    def request_load(self, tokens: list[int], found: list[CachedBlock], max_blocks: int) -> ChainLoad | None:
-        """Ask the disk store to read back the blocks continuing ``found`` (a ``match``) over ``tokens``,
-        up to ``max_blocks`` blocks in all; None when there is none to read (see ``readback``)."""
-        spec = self.spec
-        stop = min(max_blocks, len(found) + MAX_LOAD_BLOCKS, len(tokens) // spec.block_size)
-        if self.sink is None or self.prefix is None or stop <= len(found):
-            return None
-        links = chain_links(tokens, len(found), stop, found[-1].key if found else None, self.prefix.salt,
-                            spec.block_size, self.prefix)
-        shape = (2, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        scale_shape = None if self.scale is None else shape[:-1]
-        pin = self.streams.compute is not None  # a CUDA pool: decode into pinned memory
-        return self.sink.start_load(links, shape, spec.dtype, scale_shape, pin)
-
-    def install_load(self, load: ChainLoad) -> int:
-        """Insert a finished load's blocks as evictable cached entries, in chain order, up to the first
-        block that is neither cached nor loaded (or when no block is free); returns blocks inserted."""
-        inserted = 0
-        for link in load.links:
-            if self.prefix is not None and link.key in self.prefix:
-                continue
-            if not self._insert_pair(link, load):
-                break
-            inserted += 1
-        return inserted
-
     def evictable_among(self, entries: list[CachedBlock]) -> int:
         """Blocks that sharing ``entries`` takes out of the evictable set (they stop being reclaimable)."""
         evictable = [e for e in entries if e.key in self.eviction]
@@ -403,49 +394,6 @@ class KVCache:
             added += 1
         return added
 
-    def entry_payload(self, entry: CachedBlock) -> bytes:
-        """A cached block pair's stored bytes (K block then V block, ``[L, bs, Hkv, D]`` each)."""
-        return self.spill_payload(entry).bytes()
-
-    def spill_payload(self, entry: CachedBlock) -> PendingBytes:
-        """``entry_payload``'s bytes, copied off the device on the spill stream (``streams``)."""
-        blocks = (entry.k_block, entry.v_block)
-
-        def parts() -> list[Tensor]:
-            data = [self.store.block_data(b) for b in blocks]
-            if self.scale is not None:  # then the blocks' scales, [L, bs, Hkv] fp16 each
-                data += [self.storage.block_scales(b) for b in blocks]
-            return data
-        return copy_to_host(self.streams, self.streams.spill, parts)
-
-    def _insert_pair(self, link: ChainLink, load: ChainLoad) -> bool:
-        """One loaded block pair as an evictable entry; False when it was not loaded or no block is free."""
-        pair = load.pairs.get(link.key)
-        if pair is None or self.prefix is None or not self.can_allocate(2):
-            return False
-        k_block, v_block = self.take_blocks(2)
-        data, scales = pair
-        side = self.streams.readback  # host-to-device on the read-back stream, then the compute one waits
-        side.wait(self.streams.fence())
-        with side.running():
-            for i, b in enumerate((k_block, v_block)):
-                self.storage.set_block(b, data[i], None if scales is None else scales[i])
-        self.streams.hand_over(side.record())
-        entry = CachedBlock(link.key, link.parent, link.tokens, k_block, v_block)
-        self.prefix.insert(entry)
-        self.eviction.touch(link.key, self._clock, link.parent)
-        self._mark_evictable(entry)  # the index's reference only: evictable until someone hits it
-        return True
-
-    def offer_all(self) -> int:
-        """Offer every cached entry to the sink (at shutdown, so a restart finds them on disk)."""
-        if self.sink is None or self.prefix is None:
-            return 0
-        entries = self.prefix.entries()
-        for entry in entries:
-            self.sink.spill(entry, self.spill_payload(entry), self.eviction.uses(entry.key))
-        return len(entries)
-
     # ---- compression (``cache.compress``; ``store`` counts them and their bytes) -------------
     def compress_cold(self, bits: int, group: int, cold_after: float, limit: int,
                       now: float | None = None) -> CompressResult:
@@ -489,14 +437,18 @@ class KVCache:
         (``storage.DeviceKV.plan_writes``)."""
         return self.storage.plan_writes(seqs, num_new, positions)
 
-    def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor) -> None:
-        """Store a step's new keys and values [T, Hkv, D] (compute dtype) in layer ``layer``'s slots,
-        cast to the pool's dtype."""
-        self.storage.write(layer, plan, k, v)
+    def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor, group: int = GLOBAL) -> None:
+        """Store a step's new keys and values [T, Hkv, D] (compute dtype) in pool layer ``layer``'s
+        slots of the main tables or of window group ``group`` (``place``), cast to the pool's dtype."""
+        self.storage.write(layer, plan, k, v, group)
 
     def commit(self, seq: SeqKV, num_new: int) -> None:
-        """Record that ``num_new`` tokens were appended (after the forward pass succeeded)."""
+        """Record that ``num_new`` tokens were appended (after the forward pass succeeded); window
+        groups then give back the blocks no later query reads."""
         seq.num_slots += num_new
+        if self.windows is not None:
+            seq.window_slots += num_new
+            self.windows.trim(seq)
 
     def slot_positions(self, seq: SeqKV) -> Tensor:
         """Absolute positions in the sequence's K slots: [L, Hkv, num_slots] int32 (-1 = empty)."""

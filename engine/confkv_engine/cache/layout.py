@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from confkv_engine.cache.groups import LayerGroups
 
 log = logging.getLogger("confkv.cache")
 
@@ -75,7 +79,9 @@ def as_stored(x: Tensor, dtype: torch.dtype) -> Tensor:
 @dataclass(frozen=True)
 class CacheSpec:
     """Block layout. ``dtype`` is what the pool stores K/V in (``kvCacheDtype``), ``compute_dtype``
-    what attention reads them as (the model's dtype; default: ``dtype``)."""
+    what attention reads them as (the model's dtype; default: ``dtype``). ``num_layers``: the layers
+    a block holds: the model's, or with ``layer_groups`` (sliding-window layers keeping only their
+    window, ``groups``) one group's."""
 
     num_layers: int
     num_kv_heads: int
@@ -84,6 +90,7 @@ class CacheSpec:
     dtype: torch.dtype
     device: torch.device
     compute_dtype: torch.dtype | None = None
+    layer_groups: LayerGroups | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
@@ -145,6 +152,19 @@ class SeqKV:
     v_blocks: list[int] = field(default_factory=list)
     num_slots: int = 0  # slots used, the same in every (layer, KV head)
     block_keys: list[bytes] = field(default_factory=list)  # chain keys of its leading full blocks
+    # Window groups (``groups``): one table pair per group, slot = token; entries before
+    # ``window_first`` went back to the pool (the null block stands in).
+    windows: list[WindowTable] = field(default_factory=list)
+    window_slots: int = 0  # tokens written into the window tables
+    window_first: int = 0  # first table entry still held
+
+
+@dataclass
+class WindowTable:
+    """One window group's K and V block tables of a sequence (written by ``groups.WindowTables``)."""
+
+    k_blocks: list[int] = field(default_factory=list)
+    v_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -153,6 +173,8 @@ class WritePlan:
 
     k_index: Tensor
     v_index: Tensor
+    window_k: Tensor | None = None  # [window groups, T] the same for the window groups' tables
+    window_v: Tensor | None = None
 
 
 @dataclass

@@ -88,45 +88,42 @@ class DeviceKV:
 
     def plan_writes(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> WritePlan:
         """Flat K and V slots of a step's new tokens (reserved already), and record their positions.
+        With window groups (``groups``) the plan also holds each group's slots (one row per table).
 
         Python touches only the few table entries each sequence writes into; the per-token slots come
         from a handful of tensor ops (``block[rel // bs] * bs + rel % bs``), whatever the token count."""
-        bs = self.spec.block_size
-        if all(n == 1 for n in num_new):  # decode: one slot per sequence, nothing per token to vectorise
-            k_one = [s.k_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
-            v_one = [s.v_blocks[s.num_slots // bs] * bs + s.num_slots % bs for s in seqs]
-            both = self.staging.send([k_one, v_one])
-            return self.record(WritePlan(both[0], both[1]), positions)
-        k_rows: list[int] = []
-        v_rows: list[int] = []
-        first: list[int] = []  # per sequence: where its entries start in k_rows
-        lead: list[int] = []  # per sequence: offset of its first new slot inside its first entry
-        for s, n in zip(seqs, num_new, strict=True):
-            lo, hi = s.num_slots // bs, -(-(s.num_slots + n) // bs)
-            first.append(len(k_rows) * bs)
-            lead.append(s.num_slots % bs)
-            k_rows.extend(s.k_blocks[lo:hi])
-            v_rows.extend(s.v_blocks[lo:hi])
-        counts = torch.tensor(num_new, dtype=torch.long)
-        starts = torch.cumsum(counts, 0) - counts
-        base = torch.tensor(first, dtype=torch.long) + torch.tensor(lead, dtype=torch.long) - starts
-        rel = torch.arange(int(counts.sum())) + torch.repeat_interleave(base, counts)  # [T]
-        block, offset = rel // bs, rel % bs
-        slots = [torch.tensor(rows, dtype=torch.long)[block] * bs + offset for rows in (k_rows, v_rows)]
-        both = self.staging.send(torch.stack(slots))
-        return self.record(WritePlan(both[0], both[1]), positions)
+        groups = self.spec.layer_groups
+        tables = [[s.k_blocks, s.v_blocks] for s in seqs]
+        starts = [s.num_slots for s in seqs]
+        rows = _flat_slots(tables, 2, starts, num_new, self.spec.block_size)
+        if groups is not None:
+            windows = [[w.k_blocks for w in s.windows] + [w.v_blocks for w in s.windows] for s in seqs]
+            more = _flat_slots(windows, 2 * groups.num_window_groups, [s.window_slots for s in seqs],
+                               num_new, self.spec.block_size)
+            rows = rows + more if isinstance(rows, list) else torch.cat([rows, more])
+        sent = self.staging.send(rows)
+        if groups is None:
+            return self.record(WritePlan(sent[0], sent[1]), positions)
+        g = groups.num_window_groups
+        return self.record(WritePlan(sent[0], sent[1], sent[2:2 + g], sent[2 + g:]), positions)
 
     def record(self, plan: WritePlan, positions: Tensor) -> WritePlan:
-        """Record the positions of a step's new tokens in their K slots."""
-        self.pos[:, plan.k_index, :] = positions.to(self.kv.device, torch.int32)[None, :, None]
+        """Record the positions of a step's new tokens in their K slots (window groups' included)."""
+        pos = positions.to(self.kv.device, torch.int32)[None, :, None]
+        self.pos[:, plan.k_index, :] = pos
+        for index in () if plan.window_k is None else plan.window_k:
+            self.pos[:, index, :] = pos
         return plan
 
-    def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor) -> None:
-        """Store a step's new keys and values [T, Hkv, D] (compute dtype) in layer ``layer``'s slots,
-        cast to the pool's dtype."""
+    def write(self, layer: int, plan: WritePlan, k: Tensor, v: Tensor, group: int = -1) -> None:
+        """Store a step's new keys and values [T, Hkv, D] (compute dtype) in pool layer ``layer``'s
+        slots of the main tables (``group`` -1) or of window group ``group``, cast to the pool's dtype."""
+        k_index, v_index = plan.k_index, plan.v_index
+        if group >= 0 and plan.window_k is not None and plan.window_v is not None:
+            k_index, v_index = plan.window_k[group], plan.window_v[group]
         flat = self.kv_flat[layer]
         if self.scale is not None:  # int8: each (token, head) row with its own scale
-            for index, x in ((plan.k_index, k), (plan.v_index, v)):
+            for index, x in ((k_index, k), (v_index, v)):
                 codes, scales = int8_rows(x)
                 flat.index_copy_(0, index, codes)
                 self.scale[layer].index_copy_(0, index, scales)
@@ -134,8 +131,8 @@ class DeviceKV:
         k, v = to_storage(k, flat.dtype), to_storage(v, flat.dtype)
         if flat.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
             flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-        flat.index_copy_(0, plan.k_index, k)
-        flat.index_copy_(0, plan.v_index, v)
+        flat.index_copy_(0, k_index, k)
+        flat.index_copy_(0, v_index, v)
 
     def grow(self, physical_blocks: int, limit_bytes: int | None = None) -> None:
         """Reallocate the tensors to ``physical_blocks`` blocks (the null block included), the old
@@ -168,3 +165,27 @@ class DeviceKV:
             self.scale = scale
         self.kv, self.pos = kv, pos
         self.kv_flat = kv.view(spec.num_layers, physical_blocks * bs, h, d)
+
+
+def _flat_slots(tables: list[list[list[int]]], n_tables: int, starts: list[int], num_new: list[int],
+                bs: int) -> list[list[int]] | Tensor:
+    """Flat pool slots [n_tables, T] of a step's new tokens: per sequence its ``n_tables`` tables from
+    slot ``starts[i]`` on, ``num_new[i]`` tokens each."""
+    if all(n == 1 for n in num_new):  # decode: one slot per sequence, nothing per token to vectorise
+        return [[t[i][n // bs] * bs + n % bs for t, n in zip(tables, starts, strict=True)]
+                for i in range(n_tables)]
+    rows: list[list[int]] = [[] for _ in range(n_tables)]
+    first: list[int] = []  # per sequence: where its entries start in each row
+    lead: list[int] = []  # per sequence: offset of its first new slot inside its first entry
+    for seq_tables, start, n in zip(tables, starts, num_new, strict=True):
+        lo, hi = start // bs, -(-(start + n) // bs)
+        first.append(len(rows[0]) * bs)
+        lead.append(start % bs)
+        for row, table in zip(rows, seq_tables, strict=True):
+            row.extend(table[lo:hi])
+    counts = torch.tensor(num_new, dtype=torch.long)
+    offsets = torch.cumsum(counts, 0) - counts
+    base = torch.tensor(first, dtype=torch.long) + torch.tensor(lead, dtype=torch.long) - offsets
+    rel = torch.arange(int(counts.sum())) + torch.repeat_interleave(base, counts)  # [T]
+    block, offset = rel // bs, rel % bs
+    return torch.stack([torch.tensor(row, dtype=torch.long)[block] * bs + offset for row in rows])

@@ -181,7 +181,8 @@ class LLMEngine(EngineControlSurface):
         seq.num_computed += n
         if seq.retention is None:
             self._register(seq)
-        seq.peak_kv_bytes = max(seq.peak_kv_bytes, self.retention.held_bytes(seq.kv, seq.policy_state))
+        held = self.retention.held_bytes(seq.kv, seq.policy_state) + self.cache.window_bytes(seq.kv)
+        seq.peak_kv_bytes = max(seq.peak_kv_bytes, held)
         if was_prefill and seq.num_computed >= seq.prompt_len and not seq.prompt_counted:
             seq.prompt_counted = True
             self.prompt_tokens_total += seq.prompt_len

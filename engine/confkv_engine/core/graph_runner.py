@@ -140,8 +140,10 @@ class DecodeRunner:
 
     @staticmethod
     def supported(cache: KVCache) -> bool:
-        """Whether the pool can be read in place by a kernel on its device."""
+        """Whether the pool can be read in place by a kernel on its device (one table per sequence)."""
         spec = cache.spec
+        if spec.layer_groups is not None:  # window groups are read through their own tables (eager)
+            return False
         return kernel_for(spec.device, spec.dtype, spec.block_size, spec.head_dim) is not None
 
     @property

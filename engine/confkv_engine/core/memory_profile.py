@@ -52,7 +52,9 @@ def profile_lengths(engine: EngineSection) -> list[int]:
 def run_profile_step(model: LlamaForCausalLM, spec: CacheSpec, lengths: list[int], sample_rows: int) -> int:
     """One forward pass of dummy prompts of ``lengths`` tokens through paged attention over a
     temporary cache, then logits for ``sample_rows`` rows; returns the temporary cache's bytes."""
-    blocks = sum(2 * -(-n // spec.block_size) for n in lengths) + 1  # K and V tables, plus the null block
+    tables = 1 + (spec.layer_groups.num_window_groups if spec.layer_groups else 0)  # window groups' too
+    # K and V tables (a prompt's whole chunk is in each window table during its step), plus the null block
+    blocks = sum(2 * tables * -(-n // spec.block_size) for n in lengths) + 1
     cache = KVCache(spec, blocks)
     seqs = [SeqKV() for _ in lengths]
     for s, n in zip(seqs, lengths, strict=True):

@@ -21,6 +21,7 @@ import torch
 from confkv_api.config import ConfKVConfig, EngineSection, parse_size
 from confkv_engine.attention.retention import RetentionAttention
 from confkv_engine.cache.disk.sink import DiskSink
+from confkv_engine.cache.groups import LayerGroups
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache
 from confkv_engine.cache.layout import resolve_cache_dtype
 from confkv_engine.cache.planner import MemoryPlan
@@ -96,12 +97,18 @@ def build_parts(loaded: Any, config: ConfKVConfig, retention: RetentionConfig | 
     compile_seconds = None  # model.compile: start-up compile time (logged)
     if config.model.compile:
         compile_seconds = compile_elementwise(model, dtype, Path(eng.cache_dir) if eng.cache_dir else None)
-    spec = CacheSpec(args.num_layers, num_kv_heads, args.head_dim, eng.block_size, cache_dtype, device,
-                     compute_dtype=dtype)
+    # Global and sliding-window layers mixed: the window layers keep only their window (``groups``).
+    groups = LayerGroups.plan(args.layer_windows, args.num_layers)
+    spec = CacheSpec(groups.group_size if groups else args.num_layers, num_kv_heads, args.head_dim,
+                     eng.block_size, cache_dtype, device, compute_dtype=dtype, layer_groups=groups)
+    if groups is not None and config.confkv.prefix_cache.enabled:
+        log.info("prefix caching is off for this model: its sliding-window layers keep only their "
+                 "window, and a cached prefix would need each window group's last window as well")
     size = parse_size(config.confkv.max_cache_size) if config.confkv.max_cache_size else None
     ev = config.confkv.eviction
     # The salt names what changes the stored K/V besides the tokens (dtypes are added by the cache).
-    salt = f"{getattr(loaded, 'name', '')}|{args}".encode() if config.confkv.prefix_cache.enabled else None
+    salt = (f"{getattr(loaded, 'name', '')}|{args}".encode()
+            if config.confkv.prefix_cache.enabled and groups is None else None)
     # The disk store (engine.cacheDir, NVMe in pods): evicted prefix blocks spill there and come back.
     disk = make_disk(eng.cache_dir) if eng.cache_dir and salt is not None else None
     # Weights, the profiled activation peak, the decode gather bound and a reserve come off first.

@@ -235,7 +235,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, promised: int) -> int:
         """Admit waiting sequences; ``promised``: blocks running reservations may still take."""
-        bs, i = self.cache.spec.block_size, 0
+        i = 0
         limit = min(self.max_batch_size, self._oom_limit or self.max_batch_size)
         while i < len(self.waiting) and budget > 0 and len(self.running) < limit:
             seq = self.waiting[i]
@@ -247,7 +247,8 @@ class Scheduler:
                 break  # next step its prefix is cached: share it instead of computing it again
             start = hit.tokens
             n = self.chunk_size(seq, budget, start)
-            need = 2 * (-(-(start + n) // bs) - len(hit.blocks))
+            # The sequence is empty until it attaches the hit (window groups' tables included).
+            need = self.cache.blocks_needed(seq.kv, start + n) - 2 * len(hit.blocks)
             reserved = self._headroom(seq)
             # Shared now, the hit's evictable blocks are no longer reclaimable.
             wanted = promised + max(need, reserved or 0) + hit.reclaimable_taken
