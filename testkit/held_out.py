@@ -4,7 +4,7 @@ Retention was tuned on ``pydoc_data.topics`` (``testkit.kv_runs.pydoc_tokens``).
 check uses a different kind of text, read from the machine instead of downloaded or vendored:
 
 - *plain prose*: the GNU General Public License, version 3, as Debian ships it in
-  ``/usr/share/common-licenses/GPL-3`` (package ``base-files``, present on every Debian and Ubuntu
+  the ``common-licenses`` directory of package ``base-files`` (``PROSE_PATH``; on every Debian and Ubuntu
   system; "Everyone is permitted to copy and distribute verbatim copies of this license document").
   It is English prose the 135M model does not recite (full-cache perplexity about 23 on a 1,024-token
   window). It is read, not copied into the repository, so that no licence text sits in the tree.
