@@ -6,20 +6,36 @@
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SUFFIX)
 
-/* 16 packed bytes -> 32 codes in element order: the low nibbles are elements 0..15, the high
-   ones 16..31, so the low half of the register takes the low nibbles. */
-static inline __m256i FN(unpack32)(const uint8_t *p) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    return _mm256_set_m128i(hi, lo);
-}
-
 static inline float FN(hsum)(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* 16 packed bytes -> 32 codes in element order: the low nibbles are elements 0..15, the high
+   ones 16..31, so the low half of the register takes the low nibbles. */
+static inline __m256i FN(unpack32)(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b); /* one mask for both halves */
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+/* offset_term, 8 groups per step: a scalar loop is one long chain of dependent adds, which at one
+   activation row cost about as much as the integer dots themselves. */
+static inline float FN(offsets)(const Weights *w, int64_t n, const Acts *a, int64_t r) {
+    const int64_t groups = w->k / GROUP;
+    const float *z = w->z + n * groups, *d = w->d + n * groups;
+    const float *sum = a->sum + r * groups, *corr = a->corr + r * groups;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(sum + g), acc);
+        acc = _mm256_fnmadd_ps(_mm256_loadu_ps(d + g), _mm256_loadu_ps(corr + g), acc);
+    }
+    float t = FN(hsum)(acc);
+    for (; g < groups; g++) t += z[g] * sum[g] - d[g] * corr[g];
+    return t;
 }
 
 /* Weight row n against activation rows r0 .. r0 + rows - 1 (rows <= TILE, a constant at each
@@ -43,7 +59,7 @@ static inline __attribute__((always_inline)) void FN(tile_body)(
         }
     }
     for (int r = 0; r < rows; r++)
-        out[r] = FN(hsum)(_mm256_add_ps(acc[0][r], acc[1][r])) + offset_term(w, n, a, r0 + r);
+        out[r] = FN(hsum)(_mm256_add_ps(acc[0][r], acc[1][r])) + FN(offsets)(w, n, a, r0 + r);
 }
 
 static void FN(row_tile)(const Weights *w, int64_t n, const Acts *a, int64_t r0, int rows,
