@@ -1,4 +1,5 @@
-"""The native part of the build: the codec's block decoder (``cache/codec/_dequant.c``).
+"""The native part of the build: the codec's block decoder (``cache/codec/_dequant.c``) and the
+int4-weight matmul for CPUs (``model/_q4matmul.c``, its SIMD body in ``model/q4_simd.h``).
 
 Everything else is declared in pyproject.toml. The library is plain C with a C ABI (no Python or
 PyTorch headers; ``codec.native`` loads it with ctypes), optional: without a C compiler the install
@@ -12,11 +13,24 @@ from setuptools import Extension, setup
 
 OPENMP = [] if sys.platform == "darwin" or os.environ.get("CONFKV_NO_OPENMP") else ["-fopenmp"]
 
-setup(ext_modules=[Extension(
-    "confkv_engine.cache.codec._dequant",
-    sources=["engine/confkv_engine/cache/codec/_dequant.c"],
-    extra_compile_args=["-O3", "-ffp-contract=off", *OPENMP],
-    extra_link_args=OPENMP,
-    libraries=["m"],
-    optional=True,
-)])
+setup(ext_modules=[
+    Extension(
+        "confkv_engine.cache.codec._dequant",
+        sources=["engine/confkv_engine/cache/codec/_dequant.c"],
+        extra_compile_args=["-O3", "-ffp-contract=off", *OPENMP],
+        extra_link_args=OPENMP,
+        libraries=["m"],
+        optional=True,
+    ),
+    # No -march: the AVX2 and AVX-512 VNNI paths carry their own target options and are chosen at
+    # run time, so one build runs on any x86-64 CPU (and the scalar path anywhere else).
+    Extension(
+        "confkv_engine.model._q4matmul",
+        sources=["engine/confkv_engine/model/_q4matmul.c"],
+        depends=["engine/confkv_engine/model/q4_simd.h"],
+        extra_compile_args=["-O3", *OPENMP],
+        extra_link_args=OPENMP,
+        libraries=["m"],
+        optional=True,
+    ),
+])

@@ -6,6 +6,11 @@ than it saves once the matmul is compute-bound, where oneDNN's bf16 GEMM (AMX / 
 dense copy of the same values wins. So every quantized linear keeps the representations that win
 somewhere and dispatches on ``x.shape[0]``.
 
+Candidates for an int4 weight: ``q4n``, the project's native kernel (``q4native``: int8 activations,
+integer dot products, AVX2 / AVX-512 VNNI / scalar paths; present when the optional C library was
+built), PyTorch's weight-only ``int4`` (fast with bf16 activations on CPUs that compute bf16
+natively, slow without), and ``dense``. For int8 weights: ``int8`` and ``dense``.
+
 The table (kernel per row bucket per layer shape) is **derived** from what the CPU reports
 (``torch.backends.cpu.get_cpu_capability()`` and the flags in ``/proc/cpuinfo``) or **measured** at
 start-up (``CONFKV_KERNEL_TUNE=1``): every candidate is timed on the model's real shapes at a few
@@ -13,6 +18,12 @@ row counts, interleaved and taking the best of several rounds, and the result is
 keyed by CPU model, flags, torch version and thread count, so a restart costs nothing. Measuring is
 opt-in because on a machine whose cores are shared with other work a short timing run can pick a
 kernel that only looked faster; the derived rules encode measurements from such CPUs.
+
+``CONFKV_CPU_ISA`` (read once) makes the CPU look smaller than it is, to measure what another CPU
+would run: ``avx2`` hides AVX-512, AMX and AVX-VNNI (and so native bf16), ``generic`` hides AVX as
+well; ``native`` (the default) hides nothing. It changes only this module's view (and so the
+activation dtype, the table and the native kernel's path): cap PyTorch and oneDNN with their own
+switches (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``) for a full emulation.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from confkv_engine.model import q4native
 from confkv_engine.model.quant import Int4Weight, Int8Weight, int4_scales_and_zeros
 
 log = logging.getLogger(__name__)
@@ -52,6 +64,19 @@ class CpuInfo:
         return bool({"avx512_bf16", "amx_bf16"} & self.flags)
 
 
+ISA_SWITCH = "CONFKV_CPU_ISA"
+# Flag prefixes each CONFKV_CPU_ISA level hides (``/proc/cpuinfo`` names).
+_HIDDEN = {"native": (), "avx2": ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma"),
+           "generic": ("avx", "amx", "fma", "f16c")}
+
+
+def mask_flags(flags: frozenset[str], level: str) -> frozenset[str]:
+    """``flags`` less those a CPU of ``level`` (a ``CONFKV_CPU_ISA`` value) would not have."""
+    if level not in _HIDDEN:
+        raise ValueError(f"{ISA_SWITCH}={level!r}: use one of {', '.join(_HIDDEN)}")
+    return frozenset(f for f in flags if not f.startswith(_HIDDEN[level]))
+
+
 @functools.cache
 def cpu_info() -> CpuInfo:
     flags: set[str] = set()
@@ -65,7 +90,8 @@ def cpu_info() -> CpuInfo:
                 model = value.strip()
     except OSError:
         pass  # not Linux: capability alone decides
-    return CpuInfo(torch.backends.cpu.get_cpu_capability(), frozenset(flags), model)
+    level = os.environ.get(ISA_SWITCH, "native").strip().lower() or "native"
+    return CpuInfo(torch.backends.cpu.get_cpu_capability(), mask_flags(frozenset(flags), level), model)
 
 
 def activation_dtype(info: CpuInfo | None = None) -> torch.dtype:
@@ -94,6 +120,25 @@ def int4_kernel(weight: Int4Weight, bias: Tensor | None, dtype: torch.dtype) -> 
     return run
 
 
+def native_isa(info: CpuInfo | None = None) -> str | None:
+    """The native int4 kernel's path for this CPU, or None where the library is absent."""
+    isa = q4native.isa_for((info or cpu_info()).flags)
+    return isa if isa in q4native.supported_isas() else None
+
+
+def q4n_kernel(weight: Int4Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
+    isa = native_isa()
+    if isa is None:
+        raise RuntimeError("the native int4 kernel is not available on this machine")
+    packed = q4native.pack(weight)
+    b = None if bias is None else bias.to(dtype)
+
+    def run(x: Tensor) -> Tensor:
+        y = q4native.matmul(x.to(dtype), packed, isa)
+        return y if b is None else y + b
+    return run
+
+
 def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
     q, scale = weight.q.contiguous(), weight.scale.to(dtype)
     b = None if bias is None else bias.to(dtype)
@@ -108,18 +153,35 @@ def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> 
 # values. fbgemm's dynamic int8 (activations quantized per tensor) is deliberately not a candidate:
 # on this model's layers, whose activations have outlier channels, it measured 4-7 % relative
 # output error against 0.3 % for int4 weight-only with bf16 activations.
-CANDIDATES = {"int4": ("int4", "dense"), "int8": ("int8", "dense"), "dense": ("dense",)}
+CANDIDATES = {"int4": ("q4n", "int4", "dense"), "int8": ("int8", "dense"), "dense": ("dense",)}
 
 
-def derived_choice(kind: str, rows: int, info: CpuInfo) -> str:
-    """The rule a table falls back to: weight-only kernels while the matmul is memory-bound."""
+def candidates(kind: str) -> tuple[str, ...]:
+    """The kernels that can serve ``kind`` here (``q4n`` only where its library runs)."""
+    return tuple(c for c in CANDIDATES[kind] if c != "q4n" or native_isa() is not None)
+
+
+def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = None) -> str:
+    """The rule a table falls back to: weight-only kernels while the matmul is memory-bound, and
+    never one measured slower than the dense matmul on such a CPU. ``native``: whether the native
+    int4 kernel runs here (None: ask the library).
+
+    Measured on the embedded model's four linear shapes, 2 threads, best of 15 interleaved rounds,
+    summed over one layer (docs/performance.md, "Kernels per CPU"): without native bf16 (AVX2,
+    fp32 activations) PyTorch's int4 loses to fp32 GEMM at every row count, one row included
+    (8.1 vs 6.7 ms), and ``q4n`` wins up to 16 rows (5.7 vs 6.7, 8.1 vs 8.3, 2.3 vs 2.7 ms at
+    1 / 4 / 16) and loses at 32 (4.2 vs 3.5 ms). With native bf16 (AMX) PyTorch's int4 with bf16
+    activations beats both up to 4 rows and bf16 GEMM wins from 16 (0.70 vs 0.89 ms)."""
     if kind == "dense":
         return "dense"
+    if native is None:
+        native = native_isa(info) is not None
     if not info.native_bf16:
-        # With fp32 activations both weight-only kernels fall off their fast path (measured 5-20x
-        # slower than fp32 GEMM at 8+ rows); they still read 4-8x fewer bytes at one row.
-        return kind if rows <= 1 else "dense"
-    return kind if rows <= 16 else "dense"
+        # int8 weight-only with fp32 activations lost to fp32 GEMM even at one row (the 49,152 x
+        # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so int8 weights run dense here.
+        return "q4n" if kind == "int4" and native and rows <= 16 else "dense"
+    # int8 keeps its earlier bound (16 rows); only int4 was measured again.
+    return kind if rows <= (4 if kind == "int4" else 16) else "dense"
 
 
 @dataclass
@@ -164,8 +226,8 @@ def _make(name: str, w: Tensor, dtype: torch.dtype) -> KernelFn:
 
     if name == "dense":
         return dense_kernel(w, None, dtype)
-    if name == "int4":
-        return int4_kernel(quantize_int4(w), None, dtype)
+    if name in ("int4", "q4n"):
+        return (int4_kernel if name == "int4" else q4n_kernel)(quantize_int4(w), None, dtype)
     return int8_kernel(quantize_int8(w), None, dtype)
 
 
@@ -175,7 +237,7 @@ def measure_table(shapes: Sequence[tuple[str, int, int]], dtype: torch.dtype, ro
     gen = torch.Generator().manual_seed(0)
     for kind, n, k in shapes:
         w = torch.randn(n, k, generator=gen) * 0.02
-        fns = {name: _make(name, w, dtype) for name in CANDIDATES[kind]}
+        fns = {name: _make(name, w, dtype) for name in candidates(kind)}
         names = []
         for rows in ROW_GRID:
             x = torch.randn(rows, k, generator=gen).to(dtype)

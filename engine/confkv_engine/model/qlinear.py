@@ -67,6 +67,7 @@ def build_quant_linear(weight: QuantWeight, bias: Tensor | None, dtype: torch.dt
     makers: dict[str, Callable[[], kernels.KernelFn]] = {
         "dense": lambda: kernels.dense_kernel(weight.dequantize() if dense is None else dense, bias, dtype),
         "int4": lambda: kernels.int4_kernel(weight, bias, dtype),  # type: ignore[arg-type]
+        "q4n": lambda: kernels.q4n_kernel(weight, bias, dtype),  # type: ignore[arg-type]
         "int8": lambda: kernels.int8_kernel(weight, bias, dtype),  # type: ignore[arg-type]
     }
     fns = {name: makers[name]() for name in {name for _, name in plan}}
