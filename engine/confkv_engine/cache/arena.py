@@ -313,6 +313,19 @@ class CompressedStore:
             self.bytes.view(self.num_layers, -1, self.host_bytes).index_fill_(1, index, 0)
         return hosts
 
+    def slot_of(self, handle: int) -> tuple[CodecSpec, int]:
+        """A compressed block's codec and slot in its arena (where ``slot_reads`` finds it)."""
+        h = self._handles[handle]
+        return h.arena.spec, h.slot
+
+    def slot_reads(self, spec: CodecSpec, slots: list[int], device: torch.device) -> SlotReads:
+        """Where ``slots`` of the arena of ``spec`` lie in a layer's bytes (read with ``read_slots``)."""
+        return self.arenas[spec].slot_reads(slots, device)
+
+    def read_slots(self, layer: int, spec: CodecSpec, reads: SlotReads) -> Tensor:
+        """The encoded bytes of the planned slots in ``layer``: uint8 [N, spec.nbytes]."""
+        return reads.read(self.bytes[layer], spec.nbytes)
+
     def first_pos(self, handle: int) -> int | None:
         return self._handles[handle].first_pos
 
