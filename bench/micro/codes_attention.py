@@ -48,7 +48,8 @@ def case(n: int, bits: int, element_bytes: int) -> dict:
     def from_codes() -> torch.Tensor:
         state = (torch.full((1, HEADS * GROUP), -math.inf), torch.zeros(1, HEADS * GROUP),
                  torch.zeros(1, HEADS * GROUP, DIM))
-        native.attend_codes(qs, k_rows, k_spec, v_rows, v_spec, row_start, valid, state)
+        native.attend_codes(qs, native.row_bytes(k_rows), k_spec, native.row_bytes(v_rows), v_spec, row_start,
+                            valid, state)
         return state[2] / state[1][..., None]
 
     return {"blocks": n, "bits": bits, "decode_ms": ms(decoded), "decode_then_attend_ms": ms(reference),

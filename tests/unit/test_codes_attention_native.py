@@ -55,8 +55,8 @@ def test_codes_attention_equals_decode_then_attend(bits, group, dim, element_byt
     state = [torch.empty(len(counts), hq), torch.ones(len(counts), hq), torch.empty(len(counts), hq, dim)]
     for r in range(len(counts)):  # the pool's part of each row, as the backend passes it in
         state[2][r], state[0][r] = _reference(q[r].double(), own_k[r].double(), own_v[r].double())
-    native.attend_codes((q / math.sqrt(dim)).contiguous(), k_rows, k_spec, v_rows, v_spec, row_start, valid,
-                        (state[0], state[1], state[2]))
+    native.attend_codes((q / math.sqrt(dim)).contiguous(), native.row_bytes(k_rows), k_spec,
+                        native.row_bytes(v_rows), v_spec, row_start, valid, (state[0], state[1], state[2]))
     for r in range(len(counts)):
         blocks = range(int(row_start[r]), int(row_start[r + 1]))
         ks = [keys[i, :int(valid[i])] for i in blocks] + [own_k[r].double()]
@@ -69,13 +69,16 @@ def test_codes_attention_equals_decode_then_attend(bits, group, dim, element_byt
 
 def test_codes_attention_refuses_what_it_does_not_cover():
     k_spec, v_spec = _pair((4, 4), 64, 4)
-    with pytest.raises(ValueError):
-        native.attend_codes(torch.zeros(1, 2, 64), torch.zeros(1, k_spec.nbytes, dtype=torch.uint8), k_spec,
-                            torch.zeros(1, v_spec.nbytes, dtype=torch.uint8), v_spec, torch.tensor([0, 2]),
-                            torch.tensor([16], dtype=torch.int32),
-                            (torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, 64)))
+    state = (torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, 64))
+    k_rows = torch.zeros(1, k_spec.nbytes, dtype=torch.uint8)
+    v_rows = torch.zeros(1, v_spec.nbytes, dtype=torch.uint8)
+    one, valid = torch.tensor([0, 1]), torch.tensor([16], dtype=torch.int32)
+    with pytest.raises(ValueError):  # row_start names a block that is not there
+        native.attend_codes(torch.zeros(1, 2, 64), native.row_bytes(k_rows), k_spec, native.row_bytes(v_rows),
+                            v_spec, torch.tensor([0, 2]), valid, state)
+    with pytest.raises(ValueError):  # an offset past the bytes: the library never reads outside them
+        native.attend_codes(torch.zeros(1, 2, 64), (k_rows.view(-1), torch.tensor([1])), k_spec,
+                            native.row_bytes(v_rows), v_spec, one, valid, state)
     with pytest.raises(ValueError):  # keys grouped along head_dim are not what the library reads
-        native.attend_codes(torch.zeros(1, 2, 64), torch.zeros(0, v_spec.nbytes, dtype=torch.uint8), v_spec,
-                            torch.zeros(0, v_spec.nbytes, dtype=torch.uint8), v_spec, torch.tensor([0, 0]),
-                            torch.zeros(0, dtype=torch.int32),
-                            (torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, 64)))
+        native.attend_codes(torch.zeros(1, 2, 64), native.row_bytes(v_rows), v_spec, native.row_bytes(v_rows),
+                            v_spec, one, valid, state)

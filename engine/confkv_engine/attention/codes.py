@@ -124,7 +124,7 @@ def merge(cache: KVCache, layer: int, q: Tensor, split_: CodesSplit, out: Tensor
     acc = out.float().contiguous()
     qs = (q.float() * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
     for g in split_.groups:
-        k_rows = cache.store.read_slots(layer, g.k_spec, g.k_reads)
-        v_rows = cache.store.read_slots(layer, g.v_spec, g.v_reads)
-        native.attend_codes(qs, k_rows, g.k_spec, v_rows, g.v_spec, g.row_start, g.valid, (m, l, acc))
+        keys = cache.store.slot_bytes(layer, g.k_spec, g.k_reads)
+        values = cache.store.slot_bytes(layer, g.v_spec, g.v_reads)
+        native.attend_codes(qs, keys, g.k_spec, values, g.v_spec, g.row_start, g.valid, (m, l, acc))
     return (acc / l[..., None]).to(q.dtype)

@@ -16,8 +16,12 @@ step's tokens are the sequences' new tokens flattened in the order given.
   are combined exactly through their log-sum-exp (``partial``). Other devices keep one call per
   chunk over the gathered context with a causal mask in slot space (query t sees the slots below
   ``slots_before + t + 1``). Positions never enter a mask: RoPE was applied before caching.
-- Compressed blocks (negative table entries) are dequantized on read: ``begin_step`` turns each
-  table into a ``GatherPlan`` (pool ids with compressed entries pointing at the null block, plus
+- Compressed blocks (negative table entries) of decode rows are attended straight from their codes
+  on CPU where the native codec library is built (``attention.codes``): the gathered table holds the
+  pool entries alone (compacted, so narrower), the flash kernel returns their log-sum-exp, and the
+  library folds the compressed blocks' scores and values into it. Otherwise (no library, another
+  device, a sliding-window layer, prefill chunks) they are dequantized on read: ``begin_step`` turns
+  each table into a ``GatherPlan`` (pool ids with compressed entries pointing at the null block, plus
   per arena the rows and byte addresses to decode), and per layer the gather is one index_select
   followed by one batched decode per arena that overwrites those rows.
 - No upcast: the CPU flash-attention kernel accumulates bf16 / fp16 inputs in fp32 (as CUDA's

@@ -322,9 +322,13 @@ class CompressedStore:
         """Where ``slots`` of the arena of ``spec`` lie in a layer's bytes (read with ``read_slots``)."""
         return self.arenas[spec].slot_reads(slots, device)
 
-    def read_slots(self, layer: int, spec: CodecSpec, reads: SlotReads) -> Tensor:
-        """The encoded bytes of the planned slots in ``layer``: uint8 [N, spec.nbytes]."""
-        return reads.read(self.bytes[layer], spec.nbytes)
+    def slot_bytes(self, layer: int, spec: CodecSpec, reads: SlotReads) -> tuple[Tensor, Tensor]:
+        """The planned slots' encodings in ``layer`` as (uint8 1-D bytes, int64 [N] offsets): the
+        layer's stream where every slot is contiguous in it (no copy), else a copy of them."""
+        if reads.apart is None:
+            return self.bytes[layer], reads.starts
+        raw = reads.read(self.bytes[layer], spec.nbytes)
+        return raw.view(-1), torch.arange(raw.shape[0], device=raw.device) * spec.nbytes
 
     def first_pos(self, handle: int) -> int | None:
         return self._handles[handle].first_pos

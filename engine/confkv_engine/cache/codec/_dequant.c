@@ -127,7 +127,7 @@ void confkv_dequantize(const uint8_t *raw, int64_t raw_stride, const float *scal
    (fp16 headers (top, floor, step) per row of groups | 6-bit (scale, min) codes, a row's run four
    per 3 bytes); the parameters are read here, per head, as the PyTorch path computes them. */
 
-enum { L_STRIDE, L_BITS, L_GROUP, L_DQ6, L_OFFSET, L_GROUPS, L_ROW_GROUPS, L_ROWS, L_ROW_BYTES, L_LEN };
+enum { L_BITS, L_GROUP, L_DQ6, L_OFFSET, L_GROUPS, L_ROW_GROUPS, L_ROWS, L_ROW_BYTES, L_LEN };
 
 static inline float from_half(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
@@ -251,11 +251,13 @@ static void merge(float *m, float *l, float *acc, float pm, float pl, const floa
     *m = mx;
 }
 
-/* Attention of B decode rows over n compressed block pairs of one codec pair: K block i is row i of
-   kraw (layout klay), V block i row i of vraw (vlay); row r owns blocks [row_start[r], row_start[r+1])
+/* Attention of B decode rows over n compressed block pairs of one codec pair: K block i starts at byte
+   koff[i] of kraw (layout klay), V block i at voff[i] of vraw (vlay), so the blocks are read where the
+   pool holds them; row r owns blocks [row_start[r], row_start[r+1])
    and block i holds valid[i] tokens. q [B, H*G, D] fp32, already scaled. The result is merged into the
    caller's states m, l [B, H*G] and acc [B, H*G, D] (unnormalised: out = acc / l, lse = m + log l). */
-void confkv_codes_attention(const uint8_t *kraw, const int64_t *klay, const uint8_t *vraw, const int64_t *vlay,
+void confkv_codes_attention(const uint8_t *kraw, const int64_t *koff, const int64_t *klay, const uint8_t *vraw,
+                            const int64_t *voff, const int64_t *vlay,
                             const int64_t *row_start, const int32_t *valid, int B, const float *q, int G, int bs,
                             int H, int D, int chunk, int threads, float *m, float *l, float *acc) {
     int64_t items = 0;
@@ -287,8 +289,8 @@ void confkv_codes_attention(const uint8_t *kraw, const int64_t *klay, const uint
             for (int g = 0; g < G; g++) { mo[g] = -INFINITY; lo[g] = 0; }
             memset(ao, 0, sizeof(float) * (size_t)G * D);
             for (int64_t i = first[3 * w + 1]; i < first[3 * w + 2]; i++) {
-                block_scores(kraw + i * klay[L_STRIDE], klay, qh, G, bs, H, D, h, valid[i], &s);
-                block_values(vraw + i * vlay[L_STRIDE], vlay, G, bs, H, D, h, valid[i], mo, lo, ao, &s);
+                block_scores(kraw + koff[i], klay, qh, G, bs, H, D, h, valid[i], &s);
+                block_values(vraw + voff[i], vlay, G, bs, H, D, h, valid[i], mo, lo, ao, &s);
             }
         }
     }
