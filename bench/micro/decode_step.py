@@ -6,9 +6,9 @@ For each batch shape (``--shapes``, default 8 x 2,048 and 32 x 2,048 cached toke
 ``--steps`` decode steps (median), once with the gathering path (``in_place=False``, the reference)
 and once with the paged kernel (``attention.kernels``; on CPU the view-based path). Ratios are to
 ``full`` with the same attention path. SmolLM2-135M, fp32 cache, CPU. A variant name ending in
-``:decode`` runs that variant with its compressed blocks decoded into the gathered table
-(``from_codes=False``), the peer of attending them from their codes (``attention.codes``, the default
-where the native library is built), e.g. ``--variants full,conf-kv+tiers,conf-kv+tiers:decode``.
+``:codes`` runs that variant with its decode rows attending their compressed blocks from the codes
+(``from_codes=True``, ``attention.codes``), the peer of decoding them into the gathered table (the
+default), e.g. ``--variants full,conf-kv+tiers,conf-kv+tiers:codes``.
 
     python -m bench.micro.decode_step --threads 2 --shapes 8x2048,32x2048 --steps 8
     python -m bench.micro.decode_step --shapes 8x2048 --paths gather   # the served (gathering) path only
@@ -28,8 +28,8 @@ import torch
 from bench.quality.kv_scenarios import greedy, make_engine, variant_config
 from testkit.kv_runs import CHUNK, parse_args, pydoc_tokens
 
-VARIANTS = ("full", "streaming", "h2o", "conf-kv", "conf-kv+tiers", "conf-kv+tiers:decode")
-DECODE = ":decode"
+VARIANTS = ("full", "streaming", "h2o", "conf-kv", "conf-kv+tiers", "conf-kv+tiers:codes")
+CODES = ":codes"
 WARMUP = 2
 OUT = Path(__file__).resolve().parents[1] / "results" / "micro" / "decode_step.json"
 
@@ -42,11 +42,11 @@ def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place
     tokens = pydoc_tokens(loaded.tokenizer)
     probe = make_engine(loaded, variant_config("full", args))
     blocks = batch * probe.cache.blocks_for_tokens(seq_len + steps + WARMUP + 2) + 8
-    policy = variant.removesuffix(DECODE)
+    policy = variant.removesuffix(CODES)
     base = make_engine(loaded, variant_config(policy, args), blocks=blocks, batched=batch * CHUNK)
     parts = base.parts
     backend = RetentionAttention(parts.cache, loaded.model.args.num_heads, in_place=in_place,
-                                 from_codes=not variant.endswith(DECODE))
+                                 from_codes=variant.endswith(CODES))
     eng = LLMEngine(loaded, parts=dataclasses.replace(parts, backend=backend))
     for i in range(batch):
         start = (i * seq_len) % max(1, len(tokens) - seq_len)
