@@ -5,7 +5,10 @@ For each batch shape (``--shapes``, default 8 x 2,048 and 32 x 2,048 cached toke
 ``bench.quality.kv_scenarios``), the engine prefills the batch from real text (pydoc) and then times
 ``--steps`` decode steps (median), once with the gathering path (``in_place=False``, the reference)
 and once with the paged kernel (``attention.kernels``; on CPU the view-based path). Ratios are to
-``full`` with the same attention path. SmolLM2-135M, fp32 cache, CPU.
+``full`` with the same attention path. SmolLM2-135M, fp32 cache, CPU. A variant name ending in
+``:codes`` runs that variant with its decode rows attending their compressed blocks from the codes
+(``from_codes=True``, ``attention.codes``), the peer of decoding them into the gathered table (the
+default), e.g. ``--variants full,conf-kv+tiers,conf-kv+tiers:codes``.
 
     python -m bench.micro.decode_step --threads 2 --shapes 8x2048,32x2048 --steps 8
     python -m bench.micro.decode_step --shapes 8x2048 --paths gather   # the served (gathering) path only
@@ -25,7 +28,8 @@ import torch
 from bench.quality.kv_scenarios import greedy, make_engine, variant_config
 from testkit.kv_runs import CHUNK, parse_args, pydoc_tokens
 
-VARIANTS = ("full", "streaming", "h2o", "conf-kv", "conf-kv+tiers")
+VARIANTS = ("full", "streaming", "h2o", "conf-kv", "conf-kv+tiers", "conf-kv+tiers:codes")
+CODES = ":codes"
 WARMUP = 2
 OUT = Path(__file__).resolve().parents[1] / "results" / "micro" / "decode_step.json"
 
@@ -38,9 +42,11 @@ def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place
     tokens = pydoc_tokens(loaded.tokenizer)
     probe = make_engine(loaded, variant_config("full", args))
     blocks = batch * probe.cache.blocks_for_tokens(seq_len + steps + WARMUP + 2) + 8
-    base = make_engine(loaded, variant_config(variant, args), blocks=blocks, batched=batch * CHUNK)
+    policy = variant.removesuffix(CODES)
+    base = make_engine(loaded, variant_config(policy, args), blocks=blocks, batched=batch * CHUNK)
     parts = base.parts
-    backend = RetentionAttention(parts.cache, loaded.model.args.num_heads, in_place=in_place)
+    backend = RetentionAttention(parts.cache, loaded.model.args.num_heads, in_place=in_place,
+                                 from_codes=variant.endswith(CODES))
     eng = LLMEngine(loaded, parts=dataclasses.replace(parts, backend=backend))
     for i in range(batch):
         start = (i * seq_len) % max(1, len(tokens) - seq_len)

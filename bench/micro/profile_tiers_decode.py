@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", type=int, default=20, help="ops printed")
     ap.add_argument("--in-place", action="store_true", help="attend with the paged kernels, not the gather")
+    ap.add_argument("--codes", action="store_true",
+                    help="attend compressed blocks from their codes instead of decoding them into the table")
     mine = ap.parse_args()
     from confkv_engine.model.loader import load_model
 
@@ -45,13 +47,14 @@ def main() -> int:
     probe = make_engine(loaded, make_config("full", None, args))
     blocks = mine.batch * probe.cache.blocks_for_tokens(mine.seq_len + total) + 8
     eng = make_engine(loaded, variant_config(mine.variant, args), blocks=blocks, batched=mine.batch * CHUNK)
-    if mine.in_place:
+    if mine.in_place or mine.codes:
         import dataclasses
 
         from confkv_engine.attention.retention import RetentionAttention
         from confkv_engine.core.engine import LLMEngine
 
-        backend = RetentionAttention(eng.parts.cache, loaded.model.args.num_heads, in_place=True)
+        backend = RetentionAttention(eng.parts.cache, loaded.model.args.num_heads, in_place=mine.in_place,
+                                     from_codes=mine.codes)
         eng = LLMEngine(loaded, parts=dataclasses.replace(eng.parts, backend=backend))
     for i in range(mine.batch):
         eng.add_request(f"p{i}", tokens[i * mine.seq_len:(i + 1) * mine.seq_len], greedy(total))
@@ -65,7 +68,7 @@ def main() -> int:
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
-    path = " in place" if mine.in_place else ""
+    path = " in place" if mine.in_place else " codes" if mine.codes else ""
     print(f"{mine.variant}{path}: batch {mine.batch} x {mine.seq_len} cached tokens, "
           f"{mine.steps} decode steps, median step {statistics.median(times) * 1e3:.1f} ms (profiled)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=mine.rows))

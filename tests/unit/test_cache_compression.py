@@ -223,7 +223,9 @@ def test_prefix_hit_and_eviction_of_compressed_cached_entries() -> None:
     assert sink.payloads[entries[0].key] == first and len(sink.payloads) == 3
 
 
-def test_attention_over_compressed_blocks_equals_attention_over_the_dequantized_copy() -> None:
+@pytest.mark.parametrize("from_codes,atol", [(False, 1e-6), (True, 1e-5)], ids=["decoded", "codes"])
+def test_attention_over_compressed_blocks_equals_attention_over_the_dequantized_copy(from_codes: bool,
+                                                                                     atol: float) -> None:
     hq = 4
     cache, dense = make_cache(60), make_cache(60)
     seqs = [SeqKV() for _ in range(3)]
@@ -238,7 +240,8 @@ def test_attention_over_compressed_blocks_equals_attention_over_the_dequantized_
             decoded = blocks_of(cache, table)
             dense.kv[:, mtable] = decoded
     gen = torch.Generator().manual_seed(9)
-    backends = PagedAttention(cache, hq), PagedAttention(dense, hq)
+    # Decode rows attend the compressed blocks from their codes (summed in another order) or decoded.
+    backends = PagedAttention(cache, hq, from_codes=from_codes), PagedAttention(dense, hq)
     num_new = [1, 1, 5]  # two decode rows and a prefill chunk
     for c, group in ((cache, seqs), (dense, mirror)):
         for s, n in zip(group, num_new, strict=True):
@@ -250,7 +253,7 @@ def test_attention_over_compressed_blocks_equals_attention_over_the_dequantized_
         t = sum(num_new)
         q, k, v = (torch.randn(t, n, 32, generator=gen) for n in (hq, 2, 2))
         out, ref = (b.attend(layer, q, k, v) for b in backends)
-        torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+        torch.testing.assert_close(out, ref, rtol=0, atol=atol)
     for b in backends:
         b.end_step()
 

@@ -19,7 +19,10 @@ step's tokens are the sequences' new tokens flattened in the order given.
 - Compressed blocks (negative table entries) are dequantized on read: ``begin_step`` turns each
   table into a ``GatherPlan`` (pool ids with compressed entries pointing at the null block, plus
   per arena the rows and byte addresses to decode), and per layer the gather is one index_select
-  followed by one batched decode per arena that overwrites those rows.
+  followed by one batched decode per arena that overwrites those rows. With ``from_codes=True``
+  (opt-in, CPU, the native codec library) decode rows instead attend them straight from their codes
+  (``attention.codes``): the gathered table holds the pool entries alone, compacted, the flash
+  kernel returns their log-sum-exp and the library folds the compressed blocks into it.
 - No upcast: the CPU flash-attention kernel accumulates bf16 / fp16 inputs in fp32 (as CUDA's
   kernels do), so q, K and V go in as they are stored. Masks are additive (0 / -inf) in the query's
   dtype; boolean 4D masks are avoided (they silently give wrong results in eager attention).
@@ -45,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from confkv_engine.attention import partial
+from confkv_engine.attention import codes, partial
 from confkv_engine.attention.kernels import PagedBatch, PagedKernel, kernel_for
 from confkv_engine.attention.window_groups import WindowStep
 from confkv_engine.cache.arena import GatherPlan
@@ -95,17 +98,28 @@ class DecodePlan:
     mask: _Mask  # [B, 1, 1, width]
     lengths: Tensor  # [B] visible slots per row
     windowed: dict[int, _Mask] | None = None  # per sliding window, built on first use in a step
+    # Compressed entries attended from their codes (``attention.codes``): the table then holds the
+    # pool entries alone, compacted; ``whole`` is the group's plan with every entry gathered and
+    # decoded (sliding-window layers), built on first use.
+    codes: codes.CodesSplit | None = None
+    seqs: list[SeqKV] | None = None
+    whole: DecodePlan | None = None
+
+    def slot(self, row: int, slot: int, block_size: int) -> int:
+        """Where a slot of row ``row``'s sequence lies in this plan's gathered table."""
+        return slot if self.codes is None else codes.compacted(self.codes, row, slot, block_size)
 
 
 class PagedAttention:
     """``AttentionBackend`` over a ``KVCache``. Use: begin_step -> model.forward -> end_step."""
 
     def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None,
-                 in_place: bool | None = None) -> None:
+                 in_place: bool | None = None, from_codes: bool | None = None) -> None:
         """``max_gather_bytes``: one decode gather's bytes at most (None: unbounded). ``in_place``:
         attend through the block tables with a paged kernel (``attention.kernels``) instead of
         gathering (None: off until a GPU run has checked the compiled kernel). The gathering path
-        stays the reference the kernels are tested against."""
+        stays the reference the kernels are tested against. ``from_codes``: decode rows attend their
+        compressed blocks from the codes (``attention.codes``, where the native library is; None: off)."""
         self.cache = cache
         self.max_gather_bytes = max_gather_bytes  # one decode gather's bytes at most (None: unbounded)
         spec = cache.spec
@@ -122,6 +136,8 @@ class PagedAttention:
                                            if wanted else None)
         self.paged: PagedBatch | None = None
         self._side: GatherPlan | None = None
+        # Opt-in: measured slower than decode-then-attend in the engine so far (docs/performance.md).
+        self.from_codes = bool(from_codes) and codes.available(cache)
 
     # ---- per-step metadata -------------------------------------------------------------------
     def begin_step(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> None:
@@ -169,17 +185,21 @@ class PagedAttention:
             widest = wider
         return [*groups, slice(start, len(seqs))]
 
-    def _decode_group(self, seqs: list[SeqKV], rows: slice) -> DecodePlan:
+    def _decode_group(self, seqs: list[SeqKV], rows: slice, from_codes: bool = True) -> DecodePlan:
         bs, pad = self.cache.spec.block_size, self.cache.null_block
-        width = max(len(s.k_blocks) for s in seqs)
-        table = [b for s in seqs for b in s.k_blocks + [pad] * (width - len(s.k_blocks))]
-        table += [b for s in seqs for b in s.v_blocks + [pad] * (width - len(s.v_blocks))]
+        split = codes.split(self.cache, seqs) if from_codes and self.from_codes else None
+        k_tables = [s.k_blocks for s in seqs] if split is None else split.k_tables
+        v_tables = [s.v_blocks for s in seqs] if split is None else split.v_tables
+        width = max(1, max(len(t) for t in k_tables))
+        table = [b for t in k_tables for b in t + [pad] * (width - len(t))]
+        table += [b for t in v_tables for b in t + [pad] * (width - len(t))]
         dev = self.cache.kv.device
         slots = torch.arange(width * bs, device=dev)
-        lengths = self.cache.staging.send([s.num_slots + 1 for s in seqs])
+        lengths = self.cache.staging.send([s.num_slots + 1 for s in seqs] if split is None else split.lengths)
         visible = slots[None, :] < lengths[:, None]
         mask = _Mask(visible[:, None, None, :])
-        return DecodePlan(rows, self.cache.gather_plan(table), width * bs, mask, lengths)
+        return DecodePlan(rows, self.cache.gather_plan(table), width * bs, mask, lengths, codes=split,
+                          seqs=None if split is None else seqs)
 
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
         bs = self.cache.spec.block_size
@@ -257,14 +277,21 @@ class PagedAttention:
         return torch.empty_like(out).index_copy_(0, order.to(out.device), out)
 
     def _attend_decode(self, layer: int, q: Tensor, plan: DecodePlan, window: int | None = None) -> Tensor:
+        if plan.codes is not None and window is not None:  # windows count slots of the whole table
+            if plan.whole is None:
+                plan.whole = self._decode_group(cast(list[SeqKV], plan.seqs), plan.rows, from_codes=False)
+            plan = plan.whole
         b, hq, d = q.shape
         hkv = self.cache.spec.num_kv_heads
         both = self._gather(layer, plan.table).view(2, b, plan.width, hkv, d).transpose(2, 3)
-        keys, vals = both[0], self._decode_values(layer, both[1], plan.rows)  # [B, Hkv, S, D]
+        keys, vals = both[0], self._decode_values(layer, both[1], plan)  # [B, Hkv, S, D]
         mask = plan.mask if window is None else self._decode_window(plan, window)
-        out = F.scaled_dot_product_attention(q.view(b, hkv, self.group, d), keys, vals,
-                                             attn_mask=mask.additive(q.dtype))
-        return out.reshape(b, hq, d)
+        qg = q.view(b, hkv, self.group, d)
+        if plan.codes is None:
+            out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.additive(q.dtype))
+            return out.reshape(b, hq, d)
+        out, lse = partial.attend_lse(qg, keys, vals, mask.additive(q.dtype))
+        return codes.merge(self.cache, layer, q, plan.codes, out.reshape(b, hq, d), lse.reshape(b, hq))
 
     def _decode_window(self, plan: DecodePlan, window: int) -> _Mask:
         plan.windowed = plan.windowed or {}
@@ -329,7 +356,7 @@ class PagedAttention:
     # Hooks for a subclass that stands in for some values (retention's KEY_ONLY tier); the tensors
     # are this layer's fresh gather, so they may be written in place. Prefill values hold
     # the chunk's cached slots (split kernel) or its whole context (masked call).
-    def _decode_values(self, layer: int, vals: Tensor, rows: slice) -> Tensor:  # [B, Hkv, S, D]
+    def _decode_values(self, layer: int, vals: Tensor, plan: DecodePlan) -> Tensor:  # [B, Hkv, S, D]
         return vals
 
     def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:  # [1, Hkv, n, D]

@@ -53,8 +53,8 @@ class RetainedSequence(Protocol):
 
 class RetentionAttention(PagedAttention):
     def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None,
-                 in_place: bool | None = None) -> None:
-        super().__init__(cache, num_q_heads, max_gather_bytes, in_place)
+                 in_place: bool | None = None, from_codes: bool | None = None) -> None:
+        super().__init__(cache, num_q_heads, max_gather_bytes, in_place, from_codes)
         self._dec_states: list[RetainedSequence | None] = []
         self._states: list[RetainedSequence | None] = []
 
@@ -111,10 +111,12 @@ class RetentionAttention(PagedAttention):
         if st is not None and st.wants_probs:
             st.on_queries(layer, q)
 
-    def _decode_values(self, layer: int, vals: Tensor, rows: slice) -> Tensor:
-        for i, st in enumerate(self._dec_states[rows]):
+    def _decode_values(self, layer: int, vals: Tensor, plan: DecodePlan) -> Tensor:
+        bs = self.cache.spec.block_size
+        for i, st in enumerate(self._dec_states[plan.rows]):
             if st is not None and st.n_key:
-                vals[i, :, st.key_start:st.key_start + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
+                start = plan.slot(i, st.key_start, bs)  # KEY_ONLY slots are pool slots, after the frozen ones
+                vals[i, :, start:start + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
         return vals
 
     def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:

@@ -313,6 +313,23 @@ class CompressedStore:
             self.bytes.view(self.num_layers, -1, self.host_bytes).index_fill_(1, index, 0)
         return hosts
 
+    def slot_of(self, handle: int) -> tuple[CodecSpec, int]:
+        """A compressed block's codec and slot in its arena (where ``slot_reads`` finds it)."""
+        h = self._handles[handle]
+        return h.arena.spec, h.slot
+
+    def slot_reads(self, spec: CodecSpec, slots: list[int], device: torch.device) -> SlotReads:
+        """Where ``slots`` of the arena of ``spec`` lie in a layer's bytes (read with ``read_slots``)."""
+        return self.arenas[spec].slot_reads(slots, device)
+
+    def slot_bytes(self, layer: int, spec: CodecSpec, reads: SlotReads) -> tuple[Tensor, Tensor]:
+        """The planned slots' encodings in ``layer`` as (uint8 1-D bytes, int64 [N] offsets): the
+        layer's stream where every slot is contiguous in it (no copy), else a copy of them."""
+        if reads.apart is None:
+            return self.bytes[layer], reads.starts
+        raw = reads.read(self.bytes[layer], spec.nbytes)
+        return raw.view(-1), torch.arange(raw.shape[0], device=raw.device) * spec.nbytes
+
     def first_pos(self, handle: int) -> int | None:
         return self._handles[handle].first_pos
 

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 #define CONFKV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -110,4 +111,204 @@ void confkv_dequantize(const uint8_t *raw, int64_t raw_stride, const float *scal
             }
         }
     }
+}
+
+/* ---- Decode attention straight from the codes ------------------------------------------------
+
+   One layer's attention of decode queries over their sequences' compressed blocks, never writing a
+   decoded element. Keys are grouped per channel along the block's tokens (k = ks * code + km per
+   (head, channel, token group)), so a block's scores are (q * ks) . codes + q . km; values per token
+   along head_dim (v = vs * code + vm per (token, head, channel group)), so a block's output is
+   (p * vs) . codes + p . vm. Online softmax over a run of blocks; work items are (row, KV head, run
+   of blocks) in parallel, merged by log-sum-exp into running (m, l, acc) states the caller holds,
+   so several calls (one per codec pair) and the pool's own part combine exactly.
+
+   A block's layout (codec.spec): codes | pad to even | parameters, fp16 (scales | mins) or dq6
+   (fp16 headers (top, floor, step) per row of groups | 6-bit (scale, min) codes, a row's run four
+   per 3 bytes); the parameters are read here, per head, as the PyTorch path computes them. */
+
+enum { L_BITS, L_GROUP, L_DQ6, L_OFFSET, L_GROUPS, L_ROW_GROUPS, L_ROWS, L_ROW_BYTES, L_LEN };
+
+static inline __attribute__((unused)) float from_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
+    if (exp == 0x1Fu) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else if (exp) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        exp = 113u;
+        while (!(man & 0x400u)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+    } else {
+        u = sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp16 -> fp32 is exact either way; _Float16 compiles to one vcvtph2ps in the F16C (x86-64-v3/v4)
+   clones, where the bit-level form costs branches per parameter (measured: most of the kernel's time). */
+static inline float half_at(const uint8_t *p, int64_t i) {
+#if defined(__FLT16_MAX__)
+    _Float16 h;
+    memcpy(&h, p + 2 * i, sizeof h);
+    return (float)h;
+#else
+    uint16_t h;
+    memcpy(&h, p + 2 * i, sizeof h);
+    return from_half(h);
+#endif
+}
+
+static inline int six_at(const uint8_t *p, int64_t k) {
+    const uint8_t *w = p + 3 * (k / 4);
+    uint32_t word = (uint32_t)w[0] | (uint32_t)w[1] << 8 | (uint32_t)w[2] << 16;
+    return (int)((word >> (6 * (k % 4))) & 63u);
+}
+
+/* Group g's fp32 (scale, min) of one encoded block. */
+static inline void group_param(const uint8_t *blk, const int64_t *lay, int64_t g, float *scale, float *min) {
+    const uint8_t *p = blk + lay[L_OFFSET];
+    if (!lay[L_DQ6]) {
+        *scale = half_at(p, g);
+        *min = half_at(p, lay[L_GROUPS] + g);
+        return;
+    }
+    const int64_t row = g / lay[L_ROW_GROUPS], j = g % lay[L_ROW_GROUPS];
+    const float top = half_at(p, 3 * row), floor_ = half_at(p, 3 * row + 1), step = half_at(p, 3 * row + 2);
+    const uint8_t *codes = p + 6 * lay[L_ROWS] + row * lay[L_ROW_BYTES];
+    *scale = top * exp2f((float)six_at(codes, 2 * j) * -0.125f);
+    *min = floor_ + (float)six_at(codes, 2 * j + 1) * step;
+}
+
+/* The per-item scratch: qs [G, D, R], qm [G, R], scores [G, bs], codes [D * bs], vs/vm [bs, RV]. */
+typedef struct {
+    float *qs, *qm, *sc, *ks, *km, *vs, *vm, *pm;
+    uint8_t *codes;
+} scratch_t;
+
+/* Scores [G, bs] of head h's G scaled queries against one K block (tokens past `valid`: -inf). */
+CONFKV_CLONES
+static void block_scores(const uint8_t *blk, const int64_t *lay, const float *q, int G, int bs, int H, int D,
+                         int h, int valid, scratch_t *s) {
+    const int kg = (int)lay[L_GROUP], R = bs / kg, per = 8 / (int)lay[L_BITS];
+    unpack_codes(blk + (int64_t)h * D * bs / per, s->codes, (int64_t)D * bs, (int)lay[L_BITS]);
+    for (int c = 0; c < D; c++)
+        for (int r = 0; r < R; r++) group_param(blk, lay, ((int64_t)h * D + c) * R + r, &s->ks[c * R + r], &s->km[c * R + r]);
+    for (int g = 0; g < G; g++) {
+        const float *qg = q + g * D;
+        float *restrict sc = s->sc + g * bs; /* restrict: uint8 codes may alias anything otherwise */
+        for (int r = 0; r < R; r++) {
+            float a = 0;
+            for (int c = 0; c < D; c++) a += qg[c] * s->km[c * R + r];
+            for (int t = r * kg; t < (r + 1) * kg; t++) sc[t] = a;
+        }
+        for (int c = 0; c < D; c++) {
+            const uint8_t *restrict code = s->codes + c * bs;
+            for (int r = 0; r < R; r++) {
+                const float w = qg[c] * s->ks[c * R + r];
+                for (int t = r * kg; t < (r + 1) * kg; t++) sc[t] += w * (float)code[t];
+            }
+        }
+        for (int t = valid; t < bs; t++) sc[t] = -INFINITY;
+    }
+}
+
+/* Folds one V block, weighted by exp(scores - running max), into (m, l, acc) of head h's G queries. */
+CONFKV_CLONES
+static void block_values(const uint8_t *blk, const int64_t *lay, int G, int bs, int H, int D, int h, int valid,
+                         float *m, float *l, float *acc, scratch_t *s) {
+    const int vg = (int)lay[L_GROUP], R = D / vg, per = 8 / (int)lay[L_BITS];
+    for (int t = 0; t < valid; t++) {
+        unpack_codes(blk + ((int64_t)t * H + h) * D / per, s->codes + t * D, D, (int)lay[L_BITS]);
+        for (int r = 0; r < R; r++)
+            group_param(blk, lay, ((int64_t)t * H + h) * R + r, &s->vs[t * R + r], &s->vm[t * R + r]);
+    }
+    for (int g = 0; g < G; g++) {
+        const float *sc = s->sc + g * bs;
+        float mx = m[g];
+        for (int t = 0; t < valid; t++) mx = fmaxf(mx, sc[t]);
+        if (mx == -INFINITY) continue;
+        const float corr = expf(m[g] - mx);
+        float *restrict o = acc + g * D;
+        l[g] *= corr;
+        for (int c = 0; c < D; c++) o[c] *= corr;
+        for (int r = 0; r < R; r++) s->pm[r] = 0;
+        for (int t = 0; t < valid; t++) {
+            const float p = expf(sc[t] - mx);
+            const uint8_t *restrict code = s->codes + t * D;
+            l[g] += p;
+            for (int r = 0; r < R; r++) {
+                const float ps = p * s->vs[t * R + r];
+                s->pm[r] += p * s->vm[t * R + r];
+                for (int c = r * vg; c < (r + 1) * vg; c++) o[c] += ps * (float)code[c];
+            }
+        }
+        for (int c = 0; c < D; c++) o[c] += s->pm[c / vg];
+        m[g] = mx;
+    }
+}
+
+/* Merges one partial (pm, pl, pacc) into a running state (m, l, acc) of D-wide rows. */
+static void merge(float *m, float *l, float *acc, float pm, float pl, const float *pacc, int D) {
+    if (pm == -INFINITY) return;
+    const float mx = fmaxf(*m, pm), a = expf(*m - mx), b = expf(pm - mx);
+    for (int c = 0; c < D; c++) acc[c] = acc[c] * a + pacc[c] * b;
+    *l = *l * a + pl * b;
+    *m = mx;
+}
+
+/* Attention of B decode rows over n compressed block pairs of one codec pair: K block i starts at byte
+   koff[i] of kraw (layout klay), V block i at voff[i] of vraw (vlay), so the blocks are read where the
+   pool holds them; row r owns blocks [row_start[r], row_start[r+1])
+   and block i holds valid[i] tokens. q [B, H*G, D] fp32, already scaled. The result is merged into the
+   caller's states m, l [B, H*G] and acc [B, H*G, D] (unnormalised: out = acc / l, lse = m + log l). */
+void confkv_codes_attention(const uint8_t *kraw, const int64_t *koff, const int64_t *klay, const uint8_t *vraw,
+                            const int64_t *voff, const int64_t *vlay,
+                            const int64_t *row_start, const int32_t *valid, int B, const float *q, int G, int bs,
+                            int H, int D, int chunk, int threads, float *m, float *l, float *acc) {
+    int64_t items = 0;
+    for (int r = 0; r < B; r++) items += H * ((row_start[r + 1] - row_start[r] + chunk - 1) / chunk);
+    if (!items) return;
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)items * 3);
+    float *pm = (float *)malloc(sizeof(float) * (size_t)items * G * (2 + D));
+    if (!first || !pm) { free(first); free(pm); return; }
+    int64_t it = 0;
+    for (int r = 0; r < B; r++)
+        for (int h = 0; h < H; h++)
+            for (int64_t b = row_start[r]; b < row_start[r + 1]; b += chunk, it++) {
+                first[3 * it] = r * H + h;
+                first[3 * it + 1] = b;
+                first[3 * it + 2] = b + chunk < row_start[r + 1] ? b + chunk : row_start[r + 1];
+            }
+    float *pl = pm + items * G, *pacc = pl + items * G;
+    const int RK = bs, RV = D;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        float qs[G * D * RK], qm[G * RK], sc[G * bs], ks[D * RK], km[D * RK], vs[bs * RV], vm[bs * RV], pmr[RV];
+        uint8_t codes[D * bs];
+        scratch_t s = {qs, qm, sc, ks, km, vs, vm, pmr, codes};
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < items; w++) {
+            const int rh = (int)first[3 * w], h = rh % H;
+            const float *qh = q + (int64_t)rh * G * D;
+            float *mo = pm + w * G, *lo = pl + w * G, *ao = pacc + w * G * D;
+            for (int g = 0; g < G; g++) { mo[g] = -INFINITY; lo[g] = 0; }
+            memset(ao, 0, sizeof(float) * (size_t)G * D);
+            for (int64_t i = first[3 * w + 1]; i < first[3 * w + 2]; i++) {
+                block_scores(kraw + koff[i], klay, qh, G, bs, H, D, h, valid[i], &s);
+                block_values(vraw + voff[i], vlay, G, bs, H, D, h, valid[i], mo, lo, ao, &s);
+            }
+        }
+    }
+    for (int64_t w = 0; w < items; w++) {
+        const int64_t rh = first[3 * w];
+        for (int g = 0; g < G; g++) {
+            const int64_t row = rh * G + g;
+            merge(m + row, l + row, acc + row * D, pm[w * G + g], pl[w * G + g], pacc + (w * G + g) * D, D);
+        }
+    }
+    free(first);
+    free(pm);
 }

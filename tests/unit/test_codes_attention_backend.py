@@ -1,0 +1,63 @@
+"""The paged backend's decode rows with compressed blocks attended from their codes (``attention.codes``)
+equal the same rows gathered with their compressed blocks decoded: frozen blocks of several codec pairs
+(int4, k4v2, int2, int8) in one row, a row without any, a row whose frozen block comes first, a
+KEY_ONLY range after the frozen blocks (its stand-in lands on the compacted slots), GQA 1 and 3, head
+dims 64 and 128, fp32 and bf16 pools, and a sliding-window layer (the whole table, gathered)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv_engine.attention.retention import RetentionAttention
+from confkv_engine.cache.codec import native
+from confkv_engine.cache.kv_cache import SeqKV
+from confkv_engine.cache.tiered import freeze_blocks
+from tests.unit.test_cache_compression import BS, fill, make_cache
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native codec library is not built")
+LAYERS, HEADS = 2, 2
+
+
+class _KeyOnly:
+    """A retention state with a KEY_ONLY range and no scoring (what the backend reads of one)."""
+
+    wants_probs = False
+
+    def __init__(self, start: int, n: int, dim: int) -> None:
+        self.key_start, self.n_key = start, n
+        self.v_mean = torch.randn(LAYERS, HEADS, dim)
+
+    def on_append(self, positions: torch.Tensor) -> None:
+        pass
+
+    def on_queries(self, layer: int, q: torch.Tensor) -> None:
+        pass
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_from_codes_equals_decode_then_attend(dtype, tol, group, dim) -> None:
+    torch.manual_seed(dim + group)
+    cache = make_cache(120, dtype, dims=(LAYERS, HEADS, dim))
+    seqs = [SeqKV(), SeqKV(), SeqKV()]
+    for i, n in enumerate((7 * BS + 5, 2 * BS + 3, 4 * BS)):
+        fill(cache, seqs[i], n, seed=i)
+    assert freeze_blocks(cache, seqs[0], 1, [(4, 4), (4, 2), (2, 2), (8, 8)], 32) == 4
+    assert freeze_blocks(cache, seqs[2], 0, [(4, 4)], 32) == 1
+    states = [_KeyOnly(5 * BS + 3, BS + 2, dim), None, _KeyOnly(BS, 5, dim)]
+    for s in seqs:
+        cache.reserve(s, 1)
+    positions = torch.tensor([s.num_slots for s in seqs])
+    q = torch.randn(len(seqs), HEADS * group, dim).to(dtype)
+    k, v = torch.randn(len(seqs), HEADS, dim), torch.randn(len(seqs), HEADS, dim)
+    outs = {}
+    for from_codes in (False, True):
+        backend = RetentionAttention(cache, HEADS * group, from_codes=from_codes)
+        backend.begin_step(seqs, [1] * len(seqs), positions, states)
+        assert (backend.decode[0].codes is not None) == from_codes
+        outs[from_codes] = [backend.attend(layer, q, k, v, window).float()
+                            for layer in range(LAYERS) for window in (None, 40)]
+    for want, got in zip(outs[False], outs[True], strict=True):
+        assert (want - got).abs().max() <= tol
