@@ -9,6 +9,7 @@ checkout's packages are imported, and they never import ``tests`` (drivers both 
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +33,21 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 def load_results(path: Path) -> dict[str, Any]:
     """A checkpointed results file, or an empty one (``{"results": {}}``) when it does not exist yet."""
     return json.loads(path.read_text()) if path.exists() else {"results": {}}
+
+
+def machine() -> str:
+    """The CPU model and the SIMD features that decide kernel choices, for a report's ``machine`` field
+    (``platform.processor()`` is empty on Linux)."""
+    name, flags = platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(simd)})" if simd else name

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import results_dir
+from bench.common import machine, results_dir
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
 
 MIB = 1 << 20
@@ -62,7 +61,7 @@ def main() -> None:
             print(f"{row['dtype']:>14} {row['from_mib']:>5} MiB -> {row['to_mib']:>5} MiB: "
                   f"best {row['best_ms']} ms, median {row['median_ms']} ms")
     out = args.out
-    out.write_text(json.dumps({"device": str(device), "machine": platform.processor() or platform.machine(),
+    out.write_text(json.dumps({"device": str(device), "machine": machine(),
                                "threads": torch.get_num_threads(), "rows": rows}, indent=2) + "\n")
 
 

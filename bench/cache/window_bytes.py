@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import results_dir
+from bench.common import machine, results_dir
 from confkv_api.config import ConfKVConfig
 from confkv_engine.cache.groups import LayerGroups
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
@@ -96,7 +95,7 @@ def main() -> None:
     row = {"model": "gemma3-270m", "tokens": a.tokens, "dtype": a.dtype, "block_size": BLOCK,
            "ideal_bytes": groups.ideal_bytes(a.tokens, slot),
            "one_table_bytes": bookkeeping(one_table, a.tokens, a.decode),
-           "grouped_bytes": bookkeeping(grouped, a.tokens, a.decode), "machine": platform.processor()}
+           "grouped_bytes": bookkeeping(grouped, a.tokens, a.decode), "machine": machine()}
     if a.engine:
         row["engine_usage_peak_bytes"], row["engine_seconds"] = engine_peak(loaded, a.tokens)
     for key in ("ideal_bytes", "one_table_bytes", "grouped_bytes", "engine_usage_peak_bytes"):

@@ -22,7 +22,6 @@ Results go to ``bench/results/quality/gguf_agreement.json``.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import results_dir, write_report
+from bench.common import machine, results_dir, write_report
 from bench.serving import peers
 
 TEXTS = [
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['greedy_common_prefix']:>3}/{r['greedy_tokens']:<3} {r['max_abs_logprob_diff']:9.4f}")
     report = {"model": args.model, "gguf": str(path), "weights": args.weights, "threads": args.threads,
               "llama_server": {"binary": binary, "variant": variant, "failed_variants": failures},
-              "machine": platform.processor() or platform.machine(), "rows": rows}
+              "machine": machine(), "rows": rows}
     write_report(report, args.out)
     return 0
 
