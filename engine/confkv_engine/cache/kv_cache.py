@@ -56,7 +56,7 @@ from confkv_engine.cache.block_pool import BlockPool, NoFreeBlocks, is_compresse
 from confkv_engine.cache.compress import compress_now, promote_entry, select_cold, select_tables
 from confkv_engine.cache.disk_tier import DiskTier, EvictionSink
 from confkv_engine.cache.eviction import LRUK
-from confkv_engine.cache.groups import GLOBAL, WindowTables
+from confkv_engine.cache.groups import GLOBAL
 from confkv_engine.cache.layout import (
     CacheSpec,
     CompressResult,
@@ -69,6 +69,7 @@ from confkv_engine.cache.rewrite import rewrite_seq
 from confkv_engine.cache.staging import HostStaging
 from confkv_engine.cache.storage import DeviceKV
 from confkv_engine.cache.streams import CacheStreams
+from confkv_engine.cache.window_tables import WindowTables
 
 __all__ = ["CacheSpec", "CompressResult", "EvictionSink", "KVCache", "PrefixHit", "SeqKV", "WritePlan"]
 
