@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="interleaved repeats (default 5; --quick: 1)")
     p.add_argument("--levels", help="comma-separated concurrency levels (default 1,8,32)")
     p.add_argument("--dtypes", help="transformers dtypes, comma-separated: float32,bfloat16 "
-                                    "(default both; --quick: float32)")
+                                    "(default both; --quick: float32; none: no transformers peer, "
+                                    "for architectures its Llama conversion does not cover)")
     p.add_argument("--weights", default="auto",
                    help="this engine's --weights modes, comma-separated: auto,fp32,bf16,int8,int4")
     p.add_argument("--ttft-repeats", type=int, default=3,
@@ -95,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if quick else 5)
     args.levels = [int(x) for x in (args.levels or ("1,4" if quick else "1,8,32")).split(",")]
     args.dtypes = (args.dtypes or ("float32" if quick else "float32,bfloat16")).split(",")
+    args.dtypes = [] if args.dtypes == ["none"] else args.dtypes
     args.weights = args.weights.split(",")
     shared = args.workload == "shared-prefix"
     args.prompt_range = (16, 64) if shared else (32, 128) if quick else (32, 512)  # shared: the question
@@ -212,6 +214,9 @@ class Bench:
             self.checks[f"max_logit_diff_vs_transformers_{dtype}"] = peers.max_logit_diff(
                 loaded, hf, workloads[args.levels[0]][0].prompt[:64])
             targets.setdefault(dtype, {})["transformers"] = lambda r, c, m=hf: peers.run_transformers(m, r, c)
+        if not workloads:  # no transformers peer: the workloads still come from the model's tokenizer
+            self.stream = text_tokens(load_model(args.model, device="cpu").tokenizer)
+            workloads = {c: make_workload(self.stream, c, args) for c in args.levels}
         return workloads
 
     def _add_confkv(self, targets: dict[str, dict[str, Any]], stack: list, log_dir: Path) -> None:
