@@ -188,6 +188,22 @@ static inline void group_param(const uint8_t *blk, const int64_t *lay, int64_t g
     *min = floor_ + (float)six_at(codes, 2 * j + 1) * step;
 }
 
+/* Groups [first, first + count) of one block's fp32 (scale, min): fp16 ones in one straight
+   (vectorised) pass, dq6 ones per group. */
+static inline __attribute__((always_inline)) void group_params(const uint8_t *blk, const int64_t *lay,
+                                                                int64_t first, int count,
+                                                                float *restrict scale, float *restrict min) {
+    if (lay[L_DQ6]) {
+        for (int i = 0; i < count; i++) group_param(blk, lay, first + i, &scale[i], &min[i]);
+        return;
+    }
+    const uint8_t *p = blk + lay[L_OFFSET] + 2 * first, *q = p + 2 * lay[L_GROUPS];
+    for (int i = 0; i < count; i++) {
+        scale[i] = half_at(p, i);
+        min[i] = half_at(q, i);
+    }
+}
+
 /* Codes [count] unpacked to fp32 in code order (bits constant in the specialised kernels: the loop
    unrolls and vectorises). */
 static inline __attribute__((always_inline)) void unpack_float(const uint8_t *src, float *restrict dst,
@@ -218,8 +234,7 @@ static inline __attribute__((always_inline)) void block_scores(const uint8_t *bl
     const int R = bs / kg, per = 8 / bits;
     float *restrict kc = s->kc, *restrict ks = s->ks, *restrict km = s->km;
     unpack_float(blk + (int64_t)h * D * bs / per, kc, D * bs, bits);
-    for (int c = 0; c < D; c++)
-        for (int r = 0; r < R; r++) group_param(blk, lay, ((int64_t)h * D + c) * R + r, &ks[c * R + r], &km[c * R + r]);
+    group_params(blk, lay, (int64_t)h * D * R, D * R, ks, km);
     for (int g = 0; g < G; g++) {
         const float *qg = q + g * D;
         float *restrict sc = s->sc + g * bs;
@@ -248,8 +263,7 @@ static inline __attribute__((always_inline)) void block_values(const uint8_t *bl
     float *restrict vc = s->vc, *restrict vs = s->vs, *restrict vm = s->vm, *restrict pm = s->pm;
     for (int t = 0; t < valid; t++) {
         unpack_float(blk + ((int64_t)t * H + h) * D / per, vc + t * D, D, bits);
-        for (int r = 0; r < R; r++)
-            group_param(blk, lay, ((int64_t)t * H + h) * R + r, &vs[t * R + r], &vm[t * R + r]);
+        group_params(blk, lay, ((int64_t)t * H + h) * R, R, vs + t * R, vm + t * R);
     }
     for (int g = 0; g < G; g++) {
         const float *sc = s->sc + g * bs;
