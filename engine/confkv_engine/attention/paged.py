@@ -19,10 +19,11 @@ step's tokens are the sequences' new tokens flattened in the order given.
 - Compressed blocks (negative table entries) are dequantized on read: ``begin_step`` turns each
   table into a ``GatherPlan`` (pool ids with compressed entries pointing at the null block, plus
   per arena the rows and byte addresses to decode), and per layer the gather is one index_select
-  followed by one batched decode per arena that overwrites those rows. By default (CPU, the native
-  codec library; ``from_codes=False`` or ``CONFKV_CODES_ATTENTION=0`` turns it off) decode rows instead attend them straight from their codes
-  (``attention.codes``): the gathered table holds the pool entries alone, compacted, the flash
-  kernel returns their log-sum-exp and the library folds the compressed blocks into it.
+  followed by one batched decode per arena that overwrites those rows. By default (CPU, the
+  native codec library; ``from_codes=False`` or ``CONFKV_CODES_ATTENTION=0`` turns it off) decode
+  rows instead attend them straight from their codes (``attention.codes``): the gathered table holds
+  the pool entries alone, compacted, the flash kernel returns their log-sum-exp and the library
+  folds the compressed blocks into it.
 - No upcast: the CPU flash-attention kernel accumulates bf16 / fp16 inputs in fp32 (as CUDA's
   kernels do), so q, K and V go in as they are stored. Masks are additive (0 / -inf) in the query's
   dtype; boolean 4D masks are avoided (they silently give wrong results in eager attention).
