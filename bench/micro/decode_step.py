@@ -7,8 +7,9 @@ For each batch shape (``--shapes``, default 8 x 2,048 and 32 x 2,048 cached toke
 and once with the paged kernel (``attention.kernels``; on CPU the view-based path). Ratios are to
 ``full`` with the same attention path. SmolLM2-135M, fp32 cache, CPU. A variant name ending in
 ``:codes`` runs that variant with its decode rows attending their compressed blocks from the codes
-(``from_codes=True``, ``attention.codes``), the peer of decoding them into the gathered table (the
-default), e.g. ``--variants full,conf-kv+tiers,conf-kv+tiers:codes``.
+(``from_codes=True``, ``attention.codes``, the engine's default); the other variants decode them
+into the gathered table (``from_codes=False``), its peer, e.g.
+``--variants full,conf-kv+tiers,conf-kv+tiers:codes``.
 
     python -m bench.micro.decode_step --threads 2 --shapes 8x2048,32x2048 --steps 8
     python -m bench.micro.decode_step --shapes 8x2048 --paths gather   # the served (gathering) path only

@@ -16,11 +16,16 @@ RoPE and a decode row sees every slot of its sequence, so attention is a sum ove
 The table is only split when every compressed K entry has a compressed V entry at the same index and
 the native library covers both codecs; anything else (and sliding-window layers, whose visible slots
 are counted in the uncompacted table) keeps the gathering path with decode-on-read.
+
+On by default for decode rows where the library is (measured faster than decode-then-attend in the
+engine step, docs/performance.md, "Attention over the codes"); ``CONFKV_CODES_ATTENTION=0`` in the
+environment, or ``from_codes=False`` to the backend, keeps decode-then-attend.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +59,15 @@ class CodesSplit:
     lengths: list[int]  # per row, slots visible in the compacted pool tables
     removed: list[list[int]]  # per row, the table indices attended from codes (ascending)
     groups: tuple[CodesGroup, ...]
+
+
+# CONFKV_CODES_ATTENTION=0 turns the default off (decode-then-attend, for comparisons).
+SWITCH = "CONFKV_CODES_ATTENTION"
+
+
+def wanted(from_codes: bool | None) -> bool:
+    """A backend's choice: ``from_codes`` when given, else on unless the environment switch says 0."""
+    return os.environ.get(SWITCH, "1") != "0" if from_codes is None else from_codes
 
 
 def available(cache: KVCache) -> bool:

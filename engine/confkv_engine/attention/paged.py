@@ -19,10 +19,11 @@ step's tokens are the sequences' new tokens flattened in the order given.
 - Compressed blocks (negative table entries) are dequantized on read: ``begin_step`` turns each
   table into a ``GatherPlan`` (pool ids with compressed entries pointing at the null block, plus
   per arena the rows and byte addresses to decode), and per layer the gather is one index_select
-  followed by one batched decode per arena that overwrites those rows. With ``from_codes=True``
-  (opt-in, CPU, the native codec library) decode rows instead attend them straight from their codes
-  (``attention.codes``): the gathered table holds the pool entries alone, compacted, the flash
-  kernel returns their log-sum-exp and the library folds the compressed blocks into it.
+  followed by one batched decode per arena that overwrites those rows. By default (CPU, the
+  native codec library; ``from_codes=False`` or ``CONFKV_CODES_ATTENTION=0`` turns it off) decode
+  rows instead attend them straight from their codes (``attention.codes``): the gathered table holds
+  the pool entries alone, compacted, the flash kernel returns their log-sum-exp and the library
+  folds the compressed blocks into it.
 - No upcast: the CPU flash-attention kernel accumulates bf16 / fp16 inputs in fp32 (as CUDA's
   kernels do), so q, K and V go in as they are stored. Masks are additive (0 / -inf) in the query's
   dtype; boolean 4D masks are avoided (they silently give wrong results in eager attention).
@@ -119,7 +120,8 @@ class PagedAttention:
         attend through the block tables with a paged kernel (``attention.kernels``) instead of
         gathering (None: off until a GPU run has checked the compiled kernel). The gathering path
         stays the reference the kernels are tested against. ``from_codes``: decode rows attend their
-        compressed blocks from the codes (``attention.codes``, where the native library is; None: off)."""
+        compressed blocks from the codes (``attention.codes``, where the native library is; None: on
+        unless ``CONFKV_CODES_ATTENTION=0``)."""
         self.cache = cache
         self.max_gather_bytes = max_gather_bytes  # one decode gather's bytes at most (None: unbounded)
         spec = cache.spec
@@ -136,8 +138,8 @@ class PagedAttention:
                                            if wanted else None)
         self.paged: PagedBatch | None = None
         self._side: GatherPlan | None = None
-        # Opt-in: measured slower than decode-then-attend in the engine so far (docs/performance.md).
-        self.from_codes = bool(from_codes) and codes.available(cache)
+        # On by default: measured faster than decode-then-attend in the engine step (docs/performance.md).
+        self.from_codes = codes.wanted(from_codes) and codes.available(cache)
 
     # ---- per-step metadata -------------------------------------------------------------------
     def begin_step(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> None:

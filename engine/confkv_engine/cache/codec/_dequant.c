@@ -127,6 +127,12 @@ void confkv_dequantize(const uint8_t *raw, int64_t raw_stride, const float *scal
    (fp16 headers (top, floor, step) per row of groups | 6-bit (scale, min) codes, a row's run four
    per 3 bytes); the parameters are read here, per head, as the PyTorch path computes them. */
 
+/* Attention needs 1e-5 agreement, not bit-identity: let the compiler fuse multiply-adds here (the
+   build's -ffp-contract=off is for the decoder above). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
 enum { L_BITS, L_GROUP, L_DQ6, L_OFFSET, L_GROUPS, L_ROW_GROUPS, L_ROWS, L_ROW_BYTES, L_LEN };
 
 static inline __attribute__((unused)) float from_half(uint16_t h) {
@@ -182,33 +188,66 @@ static inline void group_param(const uint8_t *blk, const int64_t *lay, int64_t g
     *min = floor_ + (float)six_at(codes, 2 * j + 1) * step;
 }
 
-/* The per-item scratch: qs [G, D, R], qm [G, R], scores [G, bs], codes [D * bs], vs/vm [bs, RV]. */
+/* Groups [first, first + count) of one block's fp32 (scale, min): fp16 ones in one straight
+   (vectorised) pass, dq6 ones per group. */
+static inline __attribute__((always_inline)) void group_params(const uint8_t *blk, const int64_t *lay,
+                                                                int64_t first, int count,
+                                                                float *restrict scale, float *restrict min) {
+    if (lay[L_DQ6]) {
+        for (int i = 0; i < count; i++) group_param(blk, lay, first + i, &scale[i], &min[i]);
+        return;
+    }
+    const uint8_t *p = blk + lay[L_OFFSET] + 2 * first, *q = p + 2 * lay[L_GROUPS];
+    for (int i = 0; i < count; i++) {
+        scale[i] = half_at(p, i);
+        min[i] = half_at(q, i);
+    }
+}
+
+/* Codes [count] unpacked to fp32 in code order (bits constant in the specialised kernels: the loop
+   unrolls and vectorises). */
+static inline __attribute__((always_inline)) void unpack_float(const uint8_t *src, float *restrict dst,
+                                                                int count, int bits) {
+    if (bits == 8) {
+        for (int i = 0; i < count; i++) dst[i] = (float)src[i];
+        return;
+    }
+    const int per = 8 / bits;
+    const unsigned mask = (1u << bits) - 1u;
+    for (int i = 0; i < count / per; i++) {
+        const unsigned b = src[i];
+        for (int k = 0; k < per; k++) dst[i * per + k] = (float)((b >> (bits * k)) & mask);
+    }
+}
+
+/* The per-thread scratch: scores [G, bs], K codes [D, bs] and V codes [bs, D] as fp32, key parameters
+   [D, bs / kg], value parameters [bs, D / vg], the values' running p . vm [D / vg]. */
 typedef struct {
-    float *qs, *qm, *sc, *ks, *km, *vs, *vm, *pm;
-    uint8_t *codes;
+    float *sc, *kc, *vc, *ks, *km, *vs, *vm, *pm;
 } scratch_t;
 
-/* Scores [G, bs] of head h's G scaled queries against one K block (tokens past `valid`: -inf). */
-CONFKV_CLONES
-static void block_scores(const uint8_t *blk, const int64_t *lay, const float *q, int G, int bs, int H, int D,
-                         int h, int valid, scratch_t *s) {
-    const int kg = (int)lay[L_GROUP], R = bs / kg, per = 8 / (int)lay[L_BITS];
-    unpack_codes(blk + (int64_t)h * D * bs / per, s->codes, (int64_t)D * bs, (int)lay[L_BITS]);
-    for (int c = 0; c < D; c++)
-        for (int r = 0; r < R; r++) group_param(blk, lay, ((int64_t)h * D + c) * R + r, &s->ks[c * R + r], &s->km[c * R + r]);
+/* Scores [G, bs] of head h's G scaled queries against one K block (tokens past `valid`: -inf).
+   Inlined into kernels with constant bits / bs / D / group, whose loops then have fixed trip counts. */
+static inline __attribute__((always_inline)) void block_scores(const uint8_t *blk, const int64_t *lay,
+                                                                const float *q, int G, int bs, int D, int h,
+                                                                int valid, scratch_t *s, int bits, int kg) {
+    const int R = bs / kg, per = 8 / bits;
+    float *restrict kc = s->kc, *restrict ks = s->ks, *restrict km = s->km;
+    unpack_float(blk + (int64_t)h * D * bs / per, kc, D * bs, bits);
+    group_params(blk, lay, (int64_t)h * D * R, D * R, ks, km);
     for (int g = 0; g < G; g++) {
         const float *qg = q + g * D;
-        float *restrict sc = s->sc + g * bs; /* restrict: uint8 codes may alias anything otherwise */
+        float *restrict sc = s->sc + g * bs;
         for (int r = 0; r < R; r++) {
             float a = 0;
-            for (int c = 0; c < D; c++) a += qg[c] * s->km[c * R + r];
+            for (int c = 0; c < D; c++) a += qg[c] * km[c * R + r];
             for (int t = r * kg; t < (r + 1) * kg; t++) sc[t] = a;
         }
         for (int c = 0; c < D; c++) {
-            const uint8_t *restrict code = s->codes + c * bs;
+            const float *kr = kc + c * bs;
             for (int r = 0; r < R; r++) {
-                const float w = qg[c] * s->ks[c * R + r];
-                for (int t = r * kg; t < (r + 1) * kg; t++) sc[t] += w * (float)code[t];
+                const float w = qg[c] * ks[c * R + r];
+                for (int t = r * kg; t < (r + 1) * kg; t++) sc[t] += w * kr[t];
             }
         }
         for (int t = valid; t < bs; t++) sc[t] = -INFINITY;
@@ -216,14 +255,15 @@ static void block_scores(const uint8_t *blk, const int64_t *lay, const float *q,
 }
 
 /* Folds one V block, weighted by exp(scores - running max), into (m, l, acc) of head h's G queries. */
-CONFKV_CLONES
-static void block_values(const uint8_t *blk, const int64_t *lay, int G, int bs, int H, int D, int h, int valid,
-                         float *m, float *l, float *acc, scratch_t *s) {
-    const int vg = (int)lay[L_GROUP], R = D / vg, per = 8 / (int)lay[L_BITS];
+static inline __attribute__((always_inline)) void block_values(const uint8_t *blk, const int64_t *lay, int G,
+                                                                int bs, int H, int D, int h, int valid,
+                                                                float *m, float *l, float *acc, scratch_t *s,
+                                                                int bits, int vg) {
+    const int R = D / vg, per = 8 / bits;
+    float *restrict vc = s->vc, *restrict vs = s->vs, *restrict vm = s->vm, *restrict pm = s->pm;
     for (int t = 0; t < valid; t++) {
-        unpack_codes(blk + ((int64_t)t * H + h) * D / per, s->codes + t * D, D, (int)lay[L_BITS]);
-        for (int r = 0; r < R; r++)
-            group_param(blk, lay, ((int64_t)t * H + h) * R + r, &s->vs[t * R + r], &s->vm[t * R + r]);
+        unpack_float(blk + ((int64_t)t * H + h) * D / per, vc + t * D, D, bits);
+        group_params(blk, lay, ((int64_t)t * H + h) * R, R, vs + t * R, vm + t * R);
     }
     for (int g = 0; g < G; g++) {
         const float *sc = s->sc + g * bs;
@@ -232,22 +272,70 @@ static void block_values(const uint8_t *blk, const int64_t *lay, int G, int bs, 
         if (mx == -INFINITY) continue;
         const float corr = expf(m[g] - mx);
         float *restrict o = acc + g * D;
-        l[g] *= corr;
+        float lg = l[g] * corr;
         for (int c = 0; c < D; c++) o[c] *= corr;
-        for (int r = 0; r < R; r++) s->pm[r] = 0;
+        for (int r = 0; r < R; r++) pm[r] = 0;
         for (int t = 0; t < valid; t++) {
             const float p = expf(sc[t] - mx);
-            const uint8_t *restrict code = s->codes + t * D;
-            l[g] += p;
+            const float *vr = vc + t * D;
+            lg += p;
             for (int r = 0; r < R; r++) {
-                const float ps = p * s->vs[t * R + r];
-                s->pm[r] += p * s->vm[t * R + r];
-                for (int c = r * vg; c < (r + 1) * vg; c++) o[c] += ps * (float)code[c];
+                const float ps = p * vs[t * R + r];
+                pm[r] += p * vm[t * R + r];
+                for (int c = r * vg; c < (r + 1) * vg; c++) o[c] += ps * vr[c];
             }
         }
-        for (int c = 0; c < D; c++) o[c] += s->pm[c / vg];
+        for (int r = 0; r < R; r++)
+            for (int c = r * vg; c < (r + 1) * vg; c++) o[c] += pm[r];
+        l[g] = lg;
         m[g] = mx;
     }
+}
+
+/* One block pair folded into head h's G running states. */
+typedef void (*fold_fn)(const uint8_t *kblk, const int64_t *klay, const uint8_t *vblk, const int64_t *vlay,
+                        const float *q, int G, int bs, int H, int D, int h, int valid, float *m, float *l,
+                        float *acc, scratch_t *s);
+
+CONFKV_CLONES
+static void fold_any(const uint8_t *kblk, const int64_t *klay, const uint8_t *vblk, const int64_t *vlay,
+                     const float *q, int G, int bs, int H, int D, int h, int valid, float *m, float *l,
+                     float *acc, scratch_t *s) {
+    block_scores(kblk, klay, q, G, bs, D, h, valid, s, (int)klay[L_BITS], (int)klay[L_GROUP]);
+    block_values(vblk, vlay, G, bs, H, D, h, valid, m, l, acc, s, (int)vlay[L_BITS], (int)vlay[L_GROUP]);
+}
+
+/* The codecs' usual shape, compiled per (key bits, value bits, head_dim) with constant loop bounds:
+   16-token blocks, one key group per channel along the block (kg = bs), one value group per
+   (token, head) along head_dim (vg = D). The generic form (run-time bounds) measured ~4x slower. */
+#define FOLD_FIXED(KB, VB, DD)                                                                           \
+    CONFKV_CLONES static void fold_##KB##_##VB##_##DD(                                                   \
+        const uint8_t *kblk, const int64_t *klay, const uint8_t *vblk, const int64_t *vlay, const float *q, \
+        int G, int bs, int H, int D, int h, int valid, float *m, float *l, float *acc, scratch_t *s) {    \
+        (void)bs; (void)D;                                                                               \
+        block_scores(kblk, klay, q, G, 16, DD, h, valid, s, KB, 16);                                     \
+        block_values(vblk, vlay, G, 16, H, DD, h, valid, m, l, acc, s, VB, DD);                          \
+    }
+FOLD_FIXED(8, 8, 64)
+FOLD_FIXED(4, 4, 64)
+FOLD_FIXED(4, 2, 64)
+FOLD_FIXED(2, 2, 64)
+FOLD_FIXED(8, 8, 128)
+FOLD_FIXED(4, 4, 128)
+FOLD_FIXED(4, 2, 128)
+FOLD_FIXED(2, 2, 128)
+
+static fold_fn pick_fold(const int64_t *klay, const int64_t *vlay, int bs, int D) {
+    if (bs != 16 || klay[L_GROUP] != bs || vlay[L_GROUP] != D || (D != 64 && D != 128)) return fold_any;
+    const int64_t kb = klay[L_BITS], vb = vlay[L_BITS];
+#define PICK(KB, VB)                                                                                     \
+    if (kb == KB && vb == VB) return D == 64 ? fold_##KB##_##VB##_64 : fold_##KB##_##VB##_128;
+    PICK(8, 8)
+    PICK(4, 4)
+    PICK(4, 2)
+    PICK(2, 2)
+#undef PICK
+    return fold_any;
 }
 
 /* Merges one partial (pm, pl, pacc) into a running state (m, l, acc) of D-wide rows. */
@@ -283,12 +371,12 @@ void confkv_codes_attention(const uint8_t *kraw, const int64_t *koff, const int6
                 first[3 * it + 2] = b + chunk < row_start[r + 1] ? b + chunk : row_start[r + 1];
             }
     float *pl = pm + items * G, *pacc = pl + items * G;
-    const int RK = bs, RV = D;
+    const fold_fn fold = pick_fold(klay, vlay, bs, D);
+    const int RK = bs / (int)klay[L_GROUP], RV = D / (int)vlay[L_GROUP];
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
-        float qs[G * D * RK], qm[G * RK], sc[G * bs], ks[D * RK], km[D * RK], vs[bs * RV], vm[bs * RV], pmr[RV];
-        uint8_t codes[D * bs];
-        scratch_t s = {qs, qm, sc, ks, km, vs, vm, pmr, codes};
+        float sc[G * bs], kc[D * bs], vc[bs * D], ks[D * RK], km[D * RK], vs[bs * RV], vm[bs * RV], pmr[RV];
+        scratch_t s = {sc, kc, vc, ks, km, vs, vm, pmr};
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             const int rh = (int)first[3 * w], h = rh % H;
@@ -297,8 +385,7 @@ void confkv_codes_attention(const uint8_t *kraw, const int64_t *koff, const int6
             for (int g = 0; g < G; g++) { mo[g] = -INFINITY; lo[g] = 0; }
             memset(ao, 0, sizeof(float) * (size_t)G * D);
             for (int64_t i = first[3 * w + 1]; i < first[3 * w + 2]; i++) {
-                block_scores(kraw + koff[i], klay, qh, G, bs, H, D, h, valid[i], &s);
-                block_values(vraw + voff[i], vlay, G, bs, H, D, h, valid[i], mo, lo, ao, &s);
+                fold(kraw + koff[i], klay, vraw + voff[i], vlay, qh, G, bs, H, D, h, valid[i], mo, lo, ao, &s);
             }
         }
     }
