@@ -39,15 +39,24 @@ from confkv_engine.cache.kv_cache import KVCache, SeqKV
 
 
 @dataclass(frozen=True)
-class CodesGroup:
-    """One codec pair's compressed blocks of a decode group, in row order."""
+class CodesPart:
+    """Blocks of one codec pair read by one library call, in row order."""
 
-    k_spec: CodecSpec
-    v_spec: CodecSpec
     k_reads: SlotReads
     v_reads: SlotReads
     row_start: Tensor  # int64 [B + 1]: row r owns blocks row_start[r]:row_start[r + 1]
     valid: Tensor  # int32 [N]: tokens held by each block
+
+
+@dataclass(frozen=True)
+class CodesGroup:
+    """One codec pair's compressed blocks of a decode group: the blocks whose K and V slots both lie
+    contiguous in a layer's stream (read where they lie), then, when there are any, the few that
+    straddle two hosts not adjacent in the pool (their bytes copied per layer)."""
+
+    k_spec: CodecSpec
+    v_spec: CodecSpec
+    parts: tuple[CodesPart, ...]
 
 
 @dataclass(frozen=True)
@@ -61,8 +70,48 @@ class CodesSplit:
     groups: tuple[CodesGroup, ...]
 
 
+Pair = tuple[CodecSpec, CodecSpec]
+
+
+@dataclass(frozen=True)
+class _RowSplit:
+    """One table pair's split, independent of the row's length: pool entries and compressed ones
+    as (table index, codec pair, K handle, V handle)."""
+
+    k_table: list[int]
+    v_table: list[int]
+    compressed: tuple[tuple[int, Pair, int, int], ...]
+
+
+class SplitMemo:
+    """Row splits and codec groups of the last two steps, reused while their entries are unchanged:
+    between decision steps a decode row's table gains at most a pool block, so the step's split is
+    mostly last step's. Keys hold block ids and handles, never slots: a handle is never reused and
+    a live handle's slot never moves (nor its arena's hosts), so an equal key reads the same bytes."""
+
+    def __init__(self) -> None:
+        self._now: dict[object, object] = {}
+        self._before: dict[object, object] = {}
+
+    def next_step(self) -> None:
+        """Keep what this step used, drop what the step before used and this one did not."""
+        self._before, self._now = self._now, {}
+
+    def get(self, key: object) -> object | None:
+        value = self._now.get(key)
+        if value is None:
+            value = self._before.get(key)
+            if value is not None:
+                self._now[key] = value
+        return value
+
+    def put(self, key: object, value: object) -> None:
+        self._now[key] = value
+
+
 # CONFKV_CODES_ATTENTION=0 turns the default off (decode-then-attend, for comparisons).
 SWITCH = "CONFKV_CODES_ATTENTION"
+_UNCOVERED = "uncovered"  # memo value of a table pair that cannot be attended from codes
 
 
 def wanted(from_codes: bool | None) -> bool:
@@ -75,54 +124,104 @@ def available(cache: KVCache) -> bool:
     return cache.kv.device.type == "cpu" and native.available()
 
 
-def split(cache: KVCache, seqs: list[SeqKV]) -> CodesSplit | None:
+def split(cache: KVCache, seqs: list[SeqKV], memo: SplitMemo | None = None) -> CodesSplit | None:
     """The split of decode rows ``seqs`` (their new slot reserved), or None when no row has a
     compressed entry or one cannot be attended from codes (the caller then gathers and decodes)."""
-    bs, store = cache.spec.block_size, cache.store
+    memo = memo or SplitMemo()
+    bs = cache.spec.block_size
     k_tables, v_tables, lengths, removed = [], [], [], []
-    by_pair: dict[tuple[CodecSpec, CodecSpec], list[tuple[int, int, int, int]]] = {}
+    by_pair: dict[Pair, list[tuple[int, int, int, int]]] = {}
     for row, s in enumerate(seqs):
-        length, kt, vt, gone = s.num_slots + 1, [], [], []
-        for j, (kb, vb) in enumerate(zip(s.k_blocks, s.v_blocks, strict=True)):
-            if is_compressed(kb) != is_compressed(vb):
-                return None
-            if not is_compressed(kb):
-                kt.append(kb)
-                vt.append(vb)
-                continue
-            (k_spec, k_slot), (v_spec, v_slot) = store.slot_of(kb), store.slot_of(vb)
-            if not native.codes_pair_covered(k_spec, v_spec):
-                return None
+        rs = _row_split(cache, s, memo)
+        if rs is None:
+            return None
+        length, gone = s.num_slots + 1, []
+        for j, pair, kb, vb in rs.compressed:
             valid = min(bs, length - j * bs)
             if valid <= 0:
                 continue  # a reserved block past the row's slots holds nothing visible
-            by_pair.setdefault((k_spec, v_spec), []).append((row, k_slot, v_slot, valid))
+            by_pair.setdefault(pair, []).append((row, kb, vb, valid))
             gone.append(j)
-        k_tables.append(kt)
-        v_tables.append(vt)
+        k_tables.append(rs.k_table)
+        v_tables.append(rs.v_table)
         lengths.append(length - sum(min(bs, length - j * bs) for j in gone))
         removed.append(gone)
     if not by_pair:
         return None
-    dev = cache.kv.device
-    groups = tuple(_group(cache, pair, entries, len(seqs), dev) for pair, entries in by_pair.items())
-    return CodesSplit(k_tables, v_tables, lengths, removed, groups)
+    groups = []
+    for pair, entries in by_pair.items():
+        key = (pair, len(seqs), tuple(entries))
+        group = memo.get(key)
+        if group is None:
+            group = _group(cache, pair, entries, len(seqs))
+            memo.put(key, group)
+        groups.append(group)
+    return CodesSplit(k_tables, v_tables, lengths, removed, tuple(groups))
 
 
-def _group(cache: KVCache, pair: tuple[CodecSpec, CodecSpec], entries: list[tuple[int, int, int, int]],
-           rows: int, device: torch.device) -> CodesGroup:
+def _row_split(cache: KVCache, s: SeqKV, memo: SplitMemo) -> _RowSplit | None:
+    key = (tuple(s.k_blocks), tuple(s.v_blocks))
+    found = memo.get(key)
+    if found is None:
+        found = _split_tables(cache, s.k_blocks, s.v_blocks) or _UNCOVERED
+        memo.put(key, found)
+    return found if isinstance(found, _RowSplit) else None
+
+
+def _split_tables(cache: KVCache, k_blocks: list[int], v_blocks: list[int]) -> _RowSplit | None:
+    store = cache.store
+    kt, vt, compressed = [], [], []
+    for j, (kb, vb) in enumerate(zip(k_blocks, v_blocks, strict=True)):
+        if is_compressed(kb) != is_compressed(vb):
+            return None
+        if not is_compressed(kb):
+            kt.append(kb)
+            vt.append(vb)
+            continue
+        k_spec, v_spec = store.spec(kb), store.spec(vb)
+        if not native.codes_pair_covered(k_spec, v_spec):
+            return None
+        compressed.append((j, (k_spec, v_spec), kb, vb))
+    return _RowSplit(kt, vt, tuple(compressed))
+
+
+def _group(cache: KVCache, pair: Pair, entries: list[tuple[int, int, int, int]], rows: int) -> CodesGroup:
+    """A codec pair's blocks (``entries`` (row, K handle, V handle, valid tokens), in row order): the
+    ones read where they lie, then the ones whose K or V slot straddles hosts apart in the pool."""
+    k_spec, v_spec = pair
+    store, dev = cache.store, cache.kv.device
+    k_slots = [store.slot_of(e[1])[1] for e in entries]
+    v_slots = [store.slot_of(e[2])[1] for e in entries]
+    k_reads, v_reads = store.slot_reads(k_spec, k_slots, dev), store.slot_reads(v_spec, v_slots, dev)
+    if k_reads.apart is None and v_reads.apart is None:
+        return CodesGroup(k_spec, v_spec, (_part(k_reads, v_reads, entries, rows),))
+    apart = set()
+    for reads in (k_reads, v_reads):
+        if reads.apart is not None:
+            apart.update(reads.apart.tolist())
+    near = [i for i in range(len(entries)) if i not in apart]
+    far = sorted(apart)
+    parts = []
+    if near:
+        index = torch.tensor(near, dtype=torch.long, device=dev)
+        parts.append(_part(SlotReads(k_reads.starts[index]), SlotReads(v_reads.starts[index]),
+                           [entries[i] for i in near], rows))
+    parts.append(_part(store.slot_reads(k_spec, [k_slots[i] for i in far], dev),
+                       store.slot_reads(v_spec, [v_slots[i] for i in far], dev),
+                       [entries[i] for i in far], rows))
+    return CodesGroup(k_spec, v_spec, tuple(parts))
+
+
+def _part(k_reads: SlotReads, v_reads: SlotReads, entries: list[tuple[int, int, int, int]],
+          rows: int) -> CodesPart:
     counts = [0] * rows
     for row, _, _, _ in entries:  # entries come in row order
         counts[row] += 1
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
-    k_spec, v_spec = pair
-    return CodesGroup(k_spec, v_spec,
-                      cache.store.slot_reads(k_spec, [e[1] for e in entries], device),
-                      cache.store.slot_reads(v_spec, [e[2] for e in entries], device),
-                      torch.tensor(starts, dtype=torch.int64),
-                      torch.tensor([e[3] for e in entries], dtype=torch.int32))
+    return CodesPart(k_reads, v_reads, torch.tensor(starts, dtype=torch.int64),
+                     torch.tensor([e[3] for e in entries], dtype=torch.int32))
 
 
 def compacted(split_: CodesSplit, row: int, slot: int, block_size: int) -> int:
@@ -138,7 +237,8 @@ def merge(cache: KVCache, layer: int, q: Tensor, split_: CodesSplit, out: Tensor
     acc = out.float().contiguous()
     qs = (q.float() * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
     for g in split_.groups:
-        keys = cache.store.slot_bytes(layer, g.k_spec, g.k_reads)
-        values = cache.store.slot_bytes(layer, g.v_spec, g.v_reads)
-        native.attend_codes(qs, keys, g.k_spec, values, g.v_spec, g.row_start, g.valid, (m, l, acc))
+        for part in g.parts:
+            keys = cache.store.slot_bytes(layer, g.k_spec, part.k_reads)
+            values = cache.store.slot_bytes(layer, g.v_spec, part.v_reads)
+            native.attend_codes(qs, keys, g.k_spec, values, g.v_spec, part.row_start, part.valid, (m, l, acc))
     return (acc / l[..., None]).to(q.dtype)

@@ -140,11 +140,13 @@ class PagedAttention:
         self._side: GatherPlan | None = None
         # On by default: measured faster than decode-then-attend in the engine step (docs/performance.md).
         self.from_codes = codes.wanted(from_codes) and codes.available(cache)
+        self._codes_memo = codes.SplitMemo()  # decode rows' splits, reused across steps
 
     # ---- per-step metadata -------------------------------------------------------------------
     def begin_step(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> None:
         """Slots for ``num_new[i]`` tokens must already be reserved; ``positions`` [T] absolute."""
         self._seqs, self._num_new = seqs, num_new
+        self._codes_memo.next_step()
         self.writes: WritePlan = self.cache.plan_writes(seqs, num_new, positions)
         offsets = [0]
         for n in num_new:
@@ -189,7 +191,7 @@ class PagedAttention:
 
     def _decode_group(self, seqs: list[SeqKV], rows: slice, from_codes: bool = True) -> DecodePlan:
         bs, pad = self.cache.spec.block_size, self.cache.null_block
-        split = codes.split(self.cache, seqs) if from_codes and self.from_codes else None
+        split = codes.split(self.cache, seqs, self._codes_memo) if from_codes and self.from_codes else None
         k_tables = [s.k_blocks for s in seqs] if split is None else split.k_tables
         v_tables = [s.v_blocks for s in seqs] if split is None else split.v_tables
         width = max(1, max(len(t) for t in k_tables))
