@@ -2,7 +2,8 @@
 equal the same rows gathered with their compressed blocks decoded: frozen blocks of several codec pairs
 (int4, k4v2, int2, int8) in one row, a row without any, a row whose frozen block comes first, a
 KEY_ONLY range after the frozen blocks (its stand-in lands on the compacted slots), GQA 1 and 3, head
-dims 64 and 128, fp32 and bf16 pools, and a sliding-window layer (the whole table, gathered)."""
+dims 64 and 128, fp32 and bf16 pools, and a sliding-window layer (the whole table, gathered); slots
+straddling pool blocks that are not neighbours, and a split reused across steps."""
 
 from __future__ import annotations
 
@@ -61,3 +62,39 @@ def test_decode_from_codes_equals_decode_then_attend(dtype, tol, group, dim) -> 
                             for layer in range(LAYERS) for window in (None, 40)]
     for want, got in zip(outs[False], outs[True], strict=True):
         assert (want - got).abs().max() <= tol
+
+
+def _decode(backend: RetentionAttention, seqs: list[SeqKV], q: torch.Tensor,
+            kv: torch.Tensor) -> list[torch.Tensor]:
+    positions = torch.tensor([s.num_slots for s in seqs])
+    backend.begin_step(seqs, [1] * len(seqs), positions, [None] * len(seqs))
+    return [backend.attend(layer, q, kv[0], kv[1]).float() for layer in range(LAYERS)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_slots_straddling_hosts_apart_and_a_split_reused_across_steps(dtype, tol) -> None:
+    """Two rows freezing blocks in turn: each arena's hosts are blocks both rows freed, not neighbours in
+    the pool, so some slots straddle two of them and are read in two pieces. A second step, after one
+    row froze one more block, reuses the other row's split and rebuilds the changed one: both steps
+    equal decode-then-attend."""
+    torch.manual_seed(11)
+    cache = make_cache(160, dtype, dims=(LAYERS, HEADS, 64))
+    seqs = [SeqKV(), SeqKV()]
+    for i, n in enumerate((26 * BS + 7, 24 * BS)):
+        fill(cache, seqs[i], n, seed=i)
+    for j in range(20):
+        assert freeze_blocks(cache, seqs[j % 2], 1 + j // 2, [(4, 4)], 32) == 1
+    q, kv = torch.randn(len(seqs), HEADS * 3, 64).to(dtype), torch.randn(2, 2, len(seqs), HEADS, 64)
+    codes_backend = RetentionAttention(cache, HEADS * 3, from_codes=True)
+    for step in range(2):
+        if step:
+            assert freeze_blocks(cache, seqs[0], 11, [(4, 4)], 32) == 1
+        for s in seqs:
+            cache.reserve(s, 1)
+        want = _decode(RetentionAttention(cache, HEADS * 3, from_codes=False), seqs, q, kv[step])
+        got = _decode(codes_backend, seqs, q, kv[step])
+        groups = codes_backend.decode[0].codes.groups
+        assert any(g.k_reads.tails is not None or g.v_reads.tails is not None for g in groups)
+        for a, b in zip(want, got, strict=True):
+            assert (a - b).abs().max() <= tol
+        codes_backend.end_step()

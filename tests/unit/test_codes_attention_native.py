@@ -77,8 +77,49 @@ def test_codes_attention_refuses_what_it_does_not_cover():
         native.attend_codes(torch.zeros(1, 2, 64), native.row_bytes(k_rows), k_spec, native.row_bytes(v_rows),
                             v_spec, torch.tensor([0, 2]), valid, state)
     with pytest.raises(ValueError):  # an offset past the bytes: the library never reads outside them
-        native.attend_codes(torch.zeros(1, 2, 64), (k_rows.view(-1), torch.tensor([1])), k_spec,
+        native.attend_codes(torch.zeros(1, 2, 64), (k_rows.view(-1), torch.tensor([1]), None), k_spec,
                             native.row_bytes(v_rows), v_spec, one, valid, state)
+    stream = torch.zeros(2 * k_spec.nbytes, dtype=torch.uint8)
+    for tail in ([[100, 2 * k_spec.nbytes - 10]], [[0, 0]]):  # the rest past the bytes; an empty first piece
+        with pytest.raises(ValueError):
+            keys = (stream, torch.tensor([0]), torch.tensor(tail))
+            values = native.row_bytes(v_rows)
+            native.attend_codes(torch.zeros(1, 2, 64), keys, k_spec, values, v_spec, one, valid, state)
     with pytest.raises(ValueError):  # keys grouped along head_dim are not what the library reads
         native.attend_codes(torch.zeros(1, 2, 64), native.row_bytes(v_rows), v_spec, native.row_bytes(v_rows),
                             v_spec, one, valid, state)
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (4, 2)])
+def test_blocks_in_two_pieces_equal_the_same_blocks_whole(bits):
+    """A slot straddling two pool blocks that are not neighbours is read in two pieces (``tails``),
+    joined inside the library: the same state to the bit as the blocks read whole."""
+    torch.manual_seed(7)
+    k_spec, v_spec = _pair(bits, 64, 2)
+    n, hq = 12, HEADS * 3
+    k_rows = encode_rows(torch.randn(n, BS, HEADS, 64), k_spec)
+    v_rows = encode_rows(torch.randn(n, BS, HEADS, 64), v_spec)
+    valid, row_start = torch.full((n,), BS, dtype=torch.int32), torch.tensor([0, 5, 12])
+    q = torch.randn(2, hq, 64)
+
+    def scattered(rows: torch.Tensor, cuts: list[int]):
+        """Each block's first ``cut`` bytes in one half of a stream, the rest in the other half."""
+        nb = rows.shape[1]
+        stream = torch.randint(0, 256, (2 * n * nb,), dtype=torch.uint8)
+        off, rest = torch.arange(n) * nb, n * nb + torch.arange(n).flip(0) * nb
+        for i, c in enumerate(cuts):
+            stream[off[i]:off[i] + c] = rows[i, :c]
+            stream[rest[i]:rest[i] + nb - c] = rows[i, c:]
+        return stream, off, torch.stack([torch.tensor(cuts), rest], 1)
+
+    def attend(keys, values):
+        state = (torch.zeros(2, hq), torch.ones(2, hq), torch.zeros(2, hq, 64))
+        native.attend_codes(q.contiguous(), keys, k_spec, values, v_spec, row_start, valid, state)
+        return state
+
+    want = attend(native.row_bytes(k_rows), native.row_bytes(v_rows))
+    k_cuts = [k_spec.nbytes if i % 3 == 0 else 1 + 97 * i % (k_spec.nbytes - 1) for i in range(n)]
+    v_cuts = [v_spec.nbytes if i % 4 == 1 else 1 + 89 * i % (v_spec.nbytes - 1) for i in range(n)]
+    got = attend(scattered(k_rows, k_cuts), scattered(v_rows, v_cuts))
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)

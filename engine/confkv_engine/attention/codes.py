@@ -2,14 +2,17 @@
 
 The gathering path decoded every compressed block (retention's int8 / int4 / k4v2 / int2 frozen blocks,
 the cache's cold blocks) into the gathered table in every layer of every decode step, then attended
-the table. Here a decode group's tables are split once per step:
+the table. Here a decode group's tables are split once per step (``SplitMemo``: reused from the step
+before while a row's table and its compressed blocks are unchanged, i.e. between decision steps):
 
 - the *pool* entries (FULL and KEY_ONLY blocks) are gathered as before, compacted (the compressed
   entries left out, so the gather is narrower) and attended by the flash kernel with its log-sum-exp;
 - the *compressed* entries, per (key codec, value codec) pair, go to ``codec.native.attend_codes``,
-  which reads each block's codes and group parameters (fp16 or dq6) and folds the scores and values
-  into the pool part's running (max, sum, accumulator), the flash-decoding identity of
-  ``attention.partial``: the result is attention over the union, with no decoded element written.
+  which reads each block's codes and group parameters (fp16 or dq6) where the pool holds them (a slot
+  straddling two pool blocks that are not neighbours in two pieces, joined in the library) and folds
+  the scores and values into the pool part's running (max, sum, accumulator), the flash-decoding
+  identity of ``attention.partial``: the result is attention over the union, with no decoded element
+  written and no codes copied.
 
 Leaving entries out of the gathered table reorders no key a query sees: the cache holds keys after
 RoPE and a decode row sees every slot of its sequence, so attention is a sum over a set of slots.
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.arena import SlotReads
+from confkv_engine.cache.arena import SlotPieces, SlotReads
 from confkv_engine.cache.block_pool import is_compressed
 from confkv_engine.cache.codec import native
 from confkv_engine.cache.codec.spec import CodecSpec
@@ -39,24 +42,17 @@ from confkv_engine.cache.kv_cache import KVCache, SeqKV
 
 
 @dataclass(frozen=True)
-class CodesPart:
-    """Blocks of one codec pair read by one library call, in row order."""
-
-    k_reads: SlotReads
-    v_reads: SlotReads
-    row_start: Tensor  # int64 [B + 1]: row r owns blocks row_start[r]:row_start[r + 1]
-    valid: Tensor  # int32 [N]: tokens held by each block
-
-
-@dataclass(frozen=True)
 class CodesGroup:
-    """One codec pair's compressed blocks of a decode group: the blocks whose K and V slots both lie
-    contiguous in a layer's stream (read where they lie), then, when there are any, the few that
-    straddle two hosts not adjacent in the pool (their bytes copied per layer)."""
+    """One codec pair's compressed blocks of a decode group, in row order: where their K and V slots lie
+    (read there, a slot straddling two hosts in its two pieces; ``SlotReads``, copied per layer, only
+    where a slot spans more hosts, in a pool of one-byte elements)."""
 
     k_spec: CodecSpec
     v_spec: CodecSpec
-    parts: tuple[CodesPart, ...]
+    k_reads: SlotPieces | SlotReads
+    v_reads: SlotPieces | SlotReads
+    row_start: Tensor  # int64 [B + 1]: row r owns blocks row_start[r]:row_start[r + 1]
+    valid: Tensor  # int32 [N]: tokens held by each block
 
 
 @dataclass(frozen=True)
@@ -186,42 +182,21 @@ def _split_tables(cache: KVCache, k_blocks: list[int], v_blocks: list[int]) -> _
 
 
 def _group(cache: KVCache, pair: Pair, entries: list[tuple[int, int, int, int]], rows: int) -> CodesGroup:
-    """A codec pair's blocks (``entries`` (row, K handle, V handle, valid tokens), in row order): the
-    ones read where they lie, then the ones whose K or V slot straddles hosts apart in the pool."""
+    """A codec pair's blocks, ``entries`` (row, K handle, V handle, valid tokens) in row order."""
     k_spec, v_spec = pair
     store, dev = cache.store, cache.kv.device
     k_slots = [store.slot_of(e[1])[1] for e in entries]
     v_slots = [store.slot_of(e[2])[1] for e in entries]
-    k_reads, v_reads = store.slot_reads(k_spec, k_slots, dev), store.slot_reads(v_spec, v_slots, dev)
-    if k_reads.apart is None and v_reads.apart is None:
-        return CodesGroup(k_spec, v_spec, (_part(k_reads, v_reads, entries, rows),))
-    apart = set()
-    for reads in (k_reads, v_reads):
-        if reads.apart is not None:
-            apart.update(reads.apart.tolist())
-    near = [i for i in range(len(entries)) if i not in apart]
-    far = sorted(apart)
-    parts = []
-    if near:
-        index = torch.tensor(near, dtype=torch.long, device=dev)
-        parts.append(_part(SlotReads(k_reads.starts[index]), SlotReads(v_reads.starts[index]),
-                           [entries[i] for i in near], rows))
-    parts.append(_part(store.slot_reads(k_spec, [k_slots[i] for i in far], dev),
-                       store.slot_reads(v_spec, [v_slots[i] for i in far], dev),
-                       [entries[i] for i in far], rows))
-    return CodesGroup(k_spec, v_spec, tuple(parts))
-
-
-def _part(k_reads: SlotReads, v_reads: SlotReads, entries: list[tuple[int, int, int, int]],
-          rows: int) -> CodesPart:
+    k_reads = store.slot_pieces(k_spec, k_slots, dev) or store.slot_reads(k_spec, k_slots, dev)
+    v_reads = store.slot_pieces(v_spec, v_slots, dev) or store.slot_reads(v_spec, v_slots, dev)
     counts = [0] * rows
     for row, _, _, _ in entries:  # entries come in row order
         counts[row] += 1
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
-    return CodesPart(k_reads, v_reads, torch.tensor(starts, dtype=torch.int64),
-                     torch.tensor([e[3] for e in entries], dtype=torch.int32))
+    return CodesGroup(k_spec, v_spec, k_reads, v_reads, torch.tensor(starts, dtype=torch.int64),
+                      torch.tensor([e[3] for e in entries], dtype=torch.int32))
 
 
 def compacted(split_: CodesSplit, row: int, slot: int, block_size: int) -> int:
@@ -237,8 +212,13 @@ def merge(cache: KVCache, layer: int, q: Tensor, split_: CodesSplit, out: Tensor
     acc = out.float().contiguous()
     qs = (q.float() * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
     for g in split_.groups:
-        for part in g.parts:
-            keys = cache.store.slot_bytes(layer, g.k_spec, part.k_reads)
-            values = cache.store.slot_bytes(layer, g.v_spec, part.v_reads)
-            native.attend_codes(qs, keys, g.k_spec, values, g.v_spec, part.row_start, part.valid, (m, l, acc))
+        keys, values = _source(cache, layer, g.k_spec, g.k_reads), _source(cache, layer, g.v_spec, g.v_reads)
+        native.attend_codes(qs, keys, g.k_spec, values, g.v_spec, g.row_start, g.valid, (m, l, acc))
     return (acc / l[..., None]).to(q.dtype)
+
+
+def _source(cache: KVCache, layer: int, spec: CodecSpec, reads: SlotPieces | SlotReads) -> native.Source:
+    """A group's K or V blocks of ``layer`` as ``attend_codes`` reads them."""
+    if isinstance(reads, SlotPieces):
+        return cache.store.bytes[layer], reads.starts, reads.tails
+    return (*cache.store.slot_bytes(layer, spec, reads), None)

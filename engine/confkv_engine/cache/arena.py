@@ -130,6 +130,35 @@ class Arena:
         index = self.byte_index(_longs([slots[i] for i in apart], device))
         return SlotReads(_longs(starts, device), _longs(apart, device), index)
 
+    def slot_pieces(self, slots: list[int], device: torch.device) -> SlotPieces | None:
+        """Where ``slots`` lie in a layer's bytes for a reader that joins a slot's two pieces itself
+        (``codec.native.attend_codes``): nothing is copied. None when a slot spans more than two hosts
+        (a pool of one-byte elements), which only ``slot_reads`` covers."""
+        starts, tails, split = [], [], False
+        for slot in slots:
+            v = slot * self.slot_bytes
+            first, last = v // self.host_bytes, (v + self.slot_bytes - 1) // self.host_bytes
+            if last > first + 1:
+                return None
+            starts.append(self.hosts[first] * self.host_bytes + v % self.host_bytes)
+            if last == first or self.hosts[last] == self.hosts[first] + 1:
+                tails.append((self.slot_bytes, 0))  # contiguous in the layer's bytes
+            else:
+                tails.append(((first + 1) * self.host_bytes - v, self.hosts[last] * self.host_bytes))
+                split = True
+        return SlotPieces(_longs(starts, device),
+                          torch.tensor(tails, dtype=torch.long, device=device) if split else None)
+
+
+@dataclass(frozen=True)
+class SlotPieces:
+    """Where N slots lie in a layer's bytes: each at ``starts`` [N], except where ``tails`` [N, 2]
+    (None: nowhere) says ``tails[i, 0] < slot_bytes``: the slot's first ``tails[i, 0]`` bytes are at
+    ``starts[i]`` and the rest at ``tails[i, 1]`` (it straddles two hosts not adjacent in the pool)."""
+
+    starts: Tensor
+    tails: Tensor | None
+
 
 @dataclass(frozen=True)
 class SlotReads:
@@ -159,6 +188,7 @@ class _Handle:
     # K blocks of retention's precision tiers hold any positions (each (layer, head) its own tokens):
     # kept here, [L, bs, Hkv] int32, and counted in the block's bytes like the pool's position ints.
     positions: Tensor | None = None
+    nbytes: int = 0  # encoded bytes over all layers, stored positions included (``CompressedStore.nbytes``)
 
 
 MAX_RUNS = 64  # more runs of consecutive rows than this: decode into a buffer and index_copy
@@ -246,7 +276,9 @@ class CompressedStore:
         self.bytes.index_copy_(1, arena.byte_index(torch.tensor([slot], device=self.bytes.device)),
                                rows.to(self.bytes.device).reshape(self.num_layers, -1))
         handle, self._next = self._next, self._next - 1
-        self._handles[handle] = _Handle(arena, slot, first_pos, positions)
+        stored = 0 if positions is None else positions.numel() * positions.element_size()
+        self._handles[handle] = _Handle(arena, slot, first_pos, positions,
+                                        spec.nbytes * self.num_layers + stored)
         self._refs[handle] = refs
         return handle
 
@@ -322,6 +354,11 @@ class CompressedStore:
         """Where ``slots`` of the arena of ``spec`` lie in a layer's bytes (read with ``read_slots``)."""
         return self.arenas[spec].slot_reads(slots, device)
 
+    def slot_pieces(self, spec: CodecSpec, slots: list[int], device: torch.device) -> SlotPieces | None:
+        """Where ``slots`` of the arena of ``spec`` lie in a layer's bytes, read where they lie, in
+        pieces (``Arena.slot_pieces``); None when one spans more than two hosts."""
+        return self.arenas[spec].slot_pieces(slots, device)
+
     def slot_bytes(self, layer: int, spec: CodecSpec, reads: SlotReads) -> tuple[Tensor, Tensor]:
         """The planned slots' encodings in ``layer`` as (uint8 1-D bytes, int64 [N] offsets): the
         layer's stream where every slot is contiguous in it (no copy), else a copy of them."""
@@ -338,9 +375,12 @@ class CompressedStore:
 
     def nbytes(self, handle: int) -> int:
         """Encoded bytes of one block over all layers, its stored positions included."""
-        h = self._handles[handle]
-        stored = 0 if h.positions is None else h.positions.numel() * h.positions.element_size()
-        return h.arena.slot_bytes * self.num_layers + stored
+        return self._handles[handle].nbytes
+
+    def total_nbytes(self, handles: list[int]) -> int:
+        """``nbytes`` summed over ``handles`` (a sequence's tables read every step: one pass)."""
+        found = self._handles
+        return sum(found[h].nbytes for h in handles)
 
     def plan(self, table: list[int], null_block: int, device: torch.device) -> GatherPlan:
         """Gather plan of a table; no work beyond one tensor when nothing in it is compressed."""

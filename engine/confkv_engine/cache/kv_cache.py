@@ -243,8 +243,8 @@ class KVCache(DiskTier):
         """Bytes a sequence holds in the pool (K and V blocks, position metadata included; a
         compressed block counts its encoded bytes)."""
         blocks = [b for b in seq.k_blocks + seq.v_blocks if b != self.null_block]
-        return (sum(1 for b in blocks if not is_compressed(b)) * self.spec.block_bytes
-                + sum(self.store.nbytes(b) for b in blocks if is_compressed(b)))
+        handles = [b for b in blocks if is_compressed(b)]
+        return (len(blocks) - len(handles)) * self.spec.block_bytes + self.store.total_nbytes(handles)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a full (unevicted) cache of ``num_tokens`` needs between steps: K and V tables (and

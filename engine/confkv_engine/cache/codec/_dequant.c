@@ -18,6 +18,12 @@
 #include <math.h>
 #include <string.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_NUM omp_get_thread_num()
+#else
+#define THREAD_NUM 0
+#endif
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 #define CONFKV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -133,7 +139,7 @@ void confkv_dequantize(const uint8_t *raw, int64_t raw_stride, const float *scal
 #pragma GCC optimize("fp-contract=fast")
 #endif
 
-enum { L_BITS, L_GROUP, L_DQ6, L_OFFSET, L_GROUPS, L_ROW_GROUPS, L_ROWS, L_ROW_BYTES, L_LEN };
+enum { L_BITS, L_GROUP, L_DQ6, L_OFFSET, L_GROUPS, L_ROW_GROUPS, L_ROWS, L_ROW_BYTES, L_NBYTES, L_LEN };
 
 static inline __attribute__((unused)) float from_half(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
@@ -351,21 +357,57 @@ static void merge(float *m, float *l, float *acc, float pm, float pl, const floa
     *m = mx;
 }
 
+/* The version of confkv_codes_attention's arguments; codec.native checks it, so a library built from
+   an older source is not called with arguments it would read differently. */
+int confkv_codes_abi(void) { return 2; }
+
+/* Block i of a stream: the nbytes at off[i], or, where tail[2i] < nbytes (a slot straddling two hosts
+   that are not neighbours in the pool), its first tail[2i] bytes there and the rest at tail[2i + 1],
+   joined into the thread's scratch (a few KB). tail NULL: every block is contiguous. */
+static inline const uint8_t *block_at(const uint8_t *raw, const int64_t *off, const int64_t *tail, int64_t nbytes,
+                                      int64_t i, uint8_t *scratch) {
+    if (!tail || tail[2 * i] >= nbytes) return raw + off[i];
+    memcpy(scratch, raw + off[i], (size_t)tail[2 * i]);
+    memcpy(scratch + tail[2 * i], raw + tail[2 * i + 1], (size_t)(nbytes - tail[2 * i]));
+    return scratch;
+}
+
+/* Whether each of blocks [0, n) lies inside the len bytes of its stream (block_at's pieces). */
+static int blocks_inside(const int64_t *off, const int64_t *tail, int64_t nbytes, int64_t n, int64_t len) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t cut = tail && tail[2 * i] < nbytes ? tail[2 * i] : nbytes;
+        if (cut <= 0 || off[i] < 0 || off[i] > len - cut) return 0;
+        if (cut < nbytes && (tail[2 * i + 1] < 0 || tail[2 * i + 1] > len - (nbytes - cut))) return 0;
+    }
+    return 1;
+}
+
 /* Attention of B decode rows over n compressed block pairs of one codec pair: K block i starts at byte
-   koff[i] of kraw (layout klay), V block i at voff[i] of vraw (vlay), so the blocks are read where the
-   pool holds them; row r owns blocks [row_start[r], row_start[r+1])
-   and block i holds valid[i] tokens. q [B, H*G, D] fp32, already scaled. The result is merged into the
-   caller's states m, l [B, H*G] and acc [B, H*G, D] (unnormalised: out = acc / l, lse = m + log l). */
-void confkv_codes_attention(const uint8_t *kraw, const int64_t *koff, const int64_t *klay, const uint8_t *vraw,
-                            const int64_t *voff, const int64_t *vlay,
-                            const int64_t *row_start, const int32_t *valid, int B, const float *q, int G, int bs,
-                            int H, int D, int chunk, int threads, float *m, float *l, float *acc) {
+   koff[i] of kraw (klen bytes, layout klay; ktail: see block_at), V block i at voff[i] of vraw (vlen,
+   vlay, vtail), so the blocks are read where the pool holds them; row r owns blocks [row_start[r],
+   row_start[r+1]) and block i holds valid[i] tokens. q [B, H*G, D] fp32, already scaled. The result is
+   merged into the caller's states m, l [B, H*G] and acc [B, H*G, D] (unnormalised: out = acc / l,
+   lse = m + log l). Returns 0, or -1 (nothing read or written) when a block lies outside its stream
+   or row_start is not ascending from 0, or -2 when out of memory. */
+int confkv_codes_attention(const uint8_t *kraw, int64_t klen, const int64_t *koff, const int64_t *ktail,
+                           const int64_t *klay, const uint8_t *vraw, int64_t vlen, const int64_t *voff,
+                           const int64_t *vtail, const int64_t *vlay, const int64_t *row_start, int64_t n,
+                           const int32_t *valid, int B, const float *q, int G, int bs, int H, int D, int chunk,
+                           int threads, float *m, float *l, float *acc) {
+    if (row_start[0] != 0 || row_start[B] != n) return -1;
+    for (int r = 0; r < B; r++)
+        if (row_start[r + 1] < row_start[r]) return -1;
+    if (!blocks_inside(koff, ktail, klay[L_NBYTES], n, klen)
+        || !blocks_inside(voff, vtail, vlay[L_NBYTES], n, vlen))
+        return -1;
     int64_t items = 0;
     for (int r = 0; r < B; r++) items += H * ((row_start[r + 1] - row_start[r] + chunk - 1) / chunk);
-    if (!items) return;
+    if (!items) return 0;
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)items * 3);
     float *pm = (float *)malloc(sizeof(float) * (size_t)items * G * (2 + D));
-    if (!first || !pm) { free(first); free(pm); return; }
+    const int nthreads = threads > 0 ? threads : 1;
+    uint8_t *join = (ktail || vtail) ? (uint8_t *)malloc((size_t)(nthreads * (klay[L_NBYTES] + vlay[L_NBYTES]))) : NULL;
+    if (!first || !pm || ((ktail || vtail) && !join)) { free(first); free(pm); free(join); return -2; }
     int64_t it = 0;
     for (int r = 0; r < B; r++)
         for (int h = 0; h < H; h++)
@@ -377,10 +419,12 @@ void confkv_codes_attention(const uint8_t *kraw, const int64_t *koff, const int6
     float *pl = pm + items * G, *pacc = pl + items * G;
     const fold_fn fold = pick_fold(klay, vlay, bs, D);
     const int RK = bs / (int)klay[L_GROUP], RV = D / (int)vlay[L_GROUP];
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+#pragma omp parallel num_threads(nthreads)
     {
         float sc[G * bs], kc[D * bs], vc[bs * D], ks[D * RK], km[D * RK], vs[bs * RV], vm[bs * RV], pmr[RV];
         scratch_t s = {sc, kc, vc, ks, km, vs, vm, pmr};
+        uint8_t *kjoin = join ? join + (int64_t)THREAD_NUM * (klay[L_NBYTES] + vlay[L_NBYTES]) : NULL;
+        uint8_t *vjoin = kjoin ? kjoin + klay[L_NBYTES] : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             const int rh = (int)first[3 * w], h = rh % H;
@@ -389,7 +433,9 @@ void confkv_codes_attention(const uint8_t *kraw, const int64_t *koff, const int6
             for (int g = 0; g < G; g++) { mo[g] = -INFINITY; lo[g] = 0; }
             memset(ao, 0, sizeof(float) * (size_t)G * D);
             for (int64_t i = first[3 * w + 1]; i < first[3 * w + 2]; i++) {
-                fold(kraw + koff[i], klay, vraw + voff[i], vlay, qh, G, bs, H, D, h, valid[i], mo, lo, ao, &s);
+                const uint8_t *kb = block_at(kraw, koff, kjoin ? ktail : NULL, klay[L_NBYTES], i, kjoin);
+                const uint8_t *vb = block_at(vraw, voff, vjoin ? vtail : NULL, vlay[L_NBYTES], i, vjoin);
+                fold(kb, klay, vb, vlay, qh, G, bs, H, D, h, valid[i], mo, lo, ao, &s);
             }
         }
     }
@@ -402,4 +448,6 @@ void confkv_codes_attention(const uint8_t *kraw, const int64_t *koff, const int6
     }
     free(first);
     free(pm);
+    free(join);
+    return 0;
 }

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from torch import Tensor
 from confkv_engine.cache.codec.spec import CodecSpec
 
 LIBRARY = "_dequant"
+CODES_ABI = 2  # confkv_codes_abi() of the arguments below (block tails: slots straddling two hosts)
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # CONFKV_NATIVE_CODEC=0 turns the library off (the PyTorch decode, for comparisons).
 SWITCH = "CONFKV_NATIVE_CODEC"
@@ -50,10 +52,15 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                            *([ctypes.c_int] * 7)]
+            if not hasattr(lib, "confkv_codes_abi") or lib.confkv_codes_abi() != CODES_ABI:
+                warnings.warn(f"{path.name} was built from an older _dequant.c: rebuild it (pip install -e . "
+                              "or make setup); the codec decodes with PyTorch ops meanwhile", stacklevel=2)
+                return None
             att = lib.confkv_codes_attention
-            att.restype = None
-            att.argtypes = [*([ctypes.c_void_p] * 8), ctypes.c_int, ctypes.c_void_p, *([ctypes.c_int] * 6),
-                            *([ctypes.c_void_p] * 3)]
+            att.restype = ctypes.c_int
+            blocks = [ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_void_p] * 3)]  # raw, len, off, tail, lay
+            att.argtypes = [*blocks, *blocks, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_void_p, *([ctypes.c_int] * 6), *([ctypes.c_void_p] * 3)]
             return lib
     return None
 
@@ -103,8 +110,8 @@ def codes_layout(spec: CodecSpec) -> Tensor:
     for r in spec.rows_shape:
         rows *= r
     row = (spec.row_groups, rows, spec.row_code_nbytes) if dq6 else (1, 1, 0)
-    return torch.tensor([spec.bits, spec.group, int(dq6), spec.params_offset, spec.num_groups, *row],
-                        dtype=torch.int64)
+    return torch.tensor([spec.bits, spec.group, int(dq6), spec.params_offset, spec.num_groups, *row,
+                         spec.nbytes], dtype=torch.int64)
 
 
 def codes_pair_covered(k_spec: CodecSpec, v_spec: CodecSpec) -> bool:
@@ -119,14 +126,18 @@ def codes_pair_covered(k_spec: CodecSpec, v_spec: CodecSpec) -> bool:
 CHUNK_BLOCKS = 16
 
 
-def attend_codes(q: Tensor, keys: tuple[Tensor, Tensor], k_spec: CodecSpec, values: tuple[Tensor, Tensor],
-                 v_spec: CodecSpec, row_start: Tensor, valid: Tensor,
-                 state: tuple[Tensor, Tensor, Tensor]) -> None:
+Source = tuple[Tensor, Tensor, Tensor | None]
+
+
+def attend_codes(q: Tensor, keys: Source, k_spec: CodecSpec, values: Source, v_spec: CodecSpec,
+                 row_start: Tensor, valid: Tensor, state: tuple[Tensor, Tensor, Tensor]) -> None:
     """Fold B decode rows' attention over compressed block pairs into ``state``.
 
-    q [B, Hq, D] fp32 contiguous, already scaled; ``keys`` = (bytes, offsets): K block i is the
+    q [B, Hq, D] fp32 contiguous, already scaled; ``keys`` = (bytes, offsets, tails): K block i is the
     ``k_spec.nbytes`` bytes at ``offsets[i]`` (int64 [N]) of the uint8 1-D ``bytes`` (a layer's pool
-    stream, read where it lies), ``values`` the same for its V block; row r owns blocks
+    stream, read where it lies), or, where ``tails`` (int64 [N, 2] or None) says ``tails[i, 0] <
+    nbytes``, its first ``tails[i, 0]`` bytes there and the rest from ``tails[i, 1]`` (a slot straddling
+    two pool blocks that are not neighbours); ``values`` the same for its V block; row r owns blocks
     ``row_start[r]:row_start[r + 1]`` (int64 [B + 1]), block i holds ``valid[i]`` tokens (int32 [N]).
     ``state`` = (m [B, Hq], l [B, Hq], acc [B, Hq, D]), fp32 contiguous, updated in place: attention
     over the union is ``acc / l`` with log-sum-exp ``m + log l``. The caller checks
@@ -137,33 +148,42 @@ def attend_codes(q: Tensor, keys: tuple[Tensor, Tensor], k_spec: CodecSpec, valu
     b, hq, d = q.shape
     bs, heads, dim = k_spec.shape
     m, total, acc = state
-    (k_src, k_off), (v_src, v_off) = keys, values
+    (k_src, k_off, k_tail), (v_src, v_off, v_tail) = keys, values
     n = k_off.shape[0]
-    if (dim != d or hq % heads or not _inside(k_src, k_off, k_spec.nbytes, n)
-            or not _inside(v_src, v_off, v_spec.nbytes, n)
-            or tuple(row_start.shape) != (b + 1,) or tuple(valid.shape) != (n,) or int(row_start[-1]) != n
+    if (dim != d or hq % heads or not _stream(k_src, k_off, k_tail, n) or not _stream(v_src, v_off, v_tail, n)
+            or tuple(row_start.shape) != (b + 1,) or tuple(valid.shape) != (n,)
             or tuple(acc.shape) != (b, hq, d) or tuple(m.shape) != (b, hq) or tuple(total.shape) != (b, hq)):
-        raise ValueError("attend_codes: inconsistent shapes or offsets")
+        raise ValueError("attend_codes: inconsistent shapes")
     tensors = [q, k_src, v_src, m, total, acc]
     if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors) or q.dtype != torch.float32:
         raise ValueError("attend_codes takes contiguous CPU tensors and fp32 queries")
     row_start, valid = row_start.to(torch.int64).contiguous(), valid.to(torch.int32).contiguous()
     k_off, v_off = k_off.to(torch.int64).contiguous(), v_off.to(torch.int64).contiguous()
+    k_tail, v_tail = (None if t is None else t.to(torch.int64).contiguous() for t in (k_tail, v_tail))
     klay, vlay = codes_layout(k_spec), codes_layout(v_spec)
-    lib.confkv_codes_attention(k_src.data_ptr(), k_off.data_ptr(), klay.data_ptr(), v_src.data_ptr(),
-                               v_off.data_ptr(), vlay.data_ptr(), row_start.data_ptr(), valid.data_ptr(), b,
-                               q.data_ptr(), hq // heads, bs, heads, d, CHUNK_BLOCKS, torch.get_num_threads(),
-                               m.data_ptr(), total.data_ptr(), acc.data_ptr())
+    # The library checks every block against its stream (and row_start) before reading anything.
+    rc = lib.confkv_codes_attention(
+        k_src.data_ptr(), k_src.numel(), k_off.data_ptr(), _ptr(k_tail), klay.data_ptr(),
+        v_src.data_ptr(), v_src.numel(), v_off.data_ptr(), _ptr(v_tail), vlay.data_ptr(),
+        row_start.data_ptr(), n, valid.data_ptr(), b, q.data_ptr(), hq // heads, bs, heads, d, CHUNK_BLOCKS,
+        torch.get_num_threads(), m.data_ptr(), total.data_ptr(), acc.data_ptr())
+    if rc == -1:
+        raise ValueError("attend_codes: a block lies outside its bytes, or row_start does not cover them")
+    if rc:
+        raise MemoryError("attend_codes: out of memory")
 
 
-def row_bytes(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """Encoded blocks as rows uint8 [N, nbytes] in the (bytes, offsets) form ``attend_codes`` reads."""
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def row_bytes(rows: Tensor) -> Source:
+    """Encoded blocks as rows uint8 [N, nbytes] in the (bytes, offsets, tails) form ``attend_codes`` reads."""
     rows = rows.contiguous()
-    return rows.view(-1), torch.arange(rows.shape[0], device=rows.device) * rows.shape[1]
+    return rows.view(-1), torch.arange(rows.shape[0], device=rows.device) * rows.shape[1], None
 
 
-def _inside(src: Tensor, offsets: Tensor, nbytes: int, n: int) -> bool:
-    """Every block ``[offset, offset + nbytes)`` lies in the 1-D uint8 ``src`` (the library reads there)."""
-    if src.dtype != torch.uint8 or src.dim() != 1 or tuple(offsets.shape) != (n,):
-        return False
-    return not n or (int(offsets.min()) >= 0 and int(offsets.max()) + nbytes <= src.numel())
+def _stream(src: Tensor, offsets: Tensor, tails: Tensor | None, n: int) -> bool:
+    """The form of one side's (bytes, offsets, tails); the library checks where the blocks lie."""
+    return (src.dtype == torch.uint8 and src.dim() == 1 and tuple(offsets.shape) == (n,)
+            and (tails is None or tuple(tails.shape) == (n, 2)))
