@@ -13,6 +13,8 @@ into the gathered table (``from_codes=False``), its peer, e.g.
 
     python -m bench.micro.decode_step --threads 2 --shapes 8x2048,32x2048 --steps 8
     python -m bench.micro.decode_step --shapes 8x2048 --paths gather   # the served (gathering) path only
+
+``--out NAME`` writes ``bench/results/micro/NAME`` instead of ``decode_step.json``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--paths", default="gather,in_place", help="attention paths timed (gather, in_place)")
+    p.add_argument("--out", default=OUT.name, help="result file name under bench/results/micro/")
     a = p.parse_args(argv)
     from confkv_engine.model.loader import load_model
 
@@ -95,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['shape']:>8} {r['variant']:>14}"
               + "".join(f" {r[p + '_ms']:>12} {r[p + '_vs_full']:>7}" for p in paths))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
+    out = OUT.parent / Path(a.out).name  # a name, never a path: results stay under bench/results/micro
+    out.parent.mkdir(parents=True, exist_ok=True)
     report = {"threads": a.threads, "steps": a.steps, "paths": a.paths, "rows": rows}
-    OUT.write_text(json.dumps(report, indent=1) + "\n")
+    out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
