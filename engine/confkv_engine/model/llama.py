@@ -295,11 +295,19 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, *(rope if self.args.window(i) is None else local), backend)
         return self.norm(x)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, H] -> fp32 logits [N, V]."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor, fp32: bool = True) -> Tensor:
+        """hidden [N, H] -> logits [N, V], fp32 (soft-capped where the model caps them).
+
+        ``fp32=False`` returns an uncapped head's output in its own dtype (bf16 activations give
+        bf16 logits): widening to fp32 is exact, so every comparison (an argmax) is the same, and a
+        greedy step skips a [N, V] fp32 copy (32 x 262,144 for Gemma 3: 7 ms a step here).
+        """
+        logits = self.lm_head(hidden)
         cap = self.args.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits.float() if fp32 else logits
+        logits = logits.float()
+        return torch.tanh(logits / cap) * cap
 
 
 class DenseAttention:
