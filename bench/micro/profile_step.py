@@ -104,6 +104,7 @@ def labelled(engine: LLMEngine) -> Iterator[None]:
         stack.enter_context(patched(backend, "begin_step", "step metadata"))
         stack.enter_context(patched(llama.RMSNorm, "forward", "norm/rope/act"))
         stack.enter_context(patched(llama, "apply_rope", "norm/rope/act"))
+        stack.enter_context(patched(llama, "rms_norm", "norm/rope/act"))  # q/k heads' norm (fused qkv)
         stack.enter_context(patched(llama.MLP, "forward", "norm/rope/act"))
         stack.enter_context(patched(llama.LlamaForCausalLM, "forward", "model other"))
         stack.enter_context(patched(engine_module, "sample_step", "sampling"))
