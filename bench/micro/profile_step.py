@@ -1,6 +1,7 @@
 """Where one engine step spends its time: a ``torch.profiler`` breakdown of the real ``LLMEngine``.
 
-Scenarios on the embedded model (``builtin:smollm2-135m``), each for the weight modes given:
+Scenarios on the embedded model (``builtin:smollm2-135m``; ``--model`` names another), each for the
+weight modes given:
 
 - ``decode@1``: one sequence (128-token prompt already prefilled) decoding one token per step;
 - ``decode@32``: 32 such sequences decoded together;
@@ -10,7 +11,8 @@ Scenarios on the embedded model (``builtin:smollm2-135m``), each for the weight 
 sequences whose N-token prompts were prefilled (in the engine's chunks) before the measured steps.
 
 Categories come from ``record_function`` ranges this script wraps around the engine's own
-functions (nothing in the engine is changed): matmuls (every linear layer, the LM head included),
+functions (nothing in the engine is changed): matmuls (every linear layer but the LM head), the LM head
+(``lm_head``, with the tied embedding's kernel),
 attention (the backend's ``attend``: KV write, block gather, SDPA), step metadata (the backend's
 ``begin_step``), norms / RoPE / activation, the rest of the model forward (embedding, residual adds,
 RoPE tables), sampling (``_sample`` less the LM head) and Python / scheduling (everything else in
@@ -45,9 +47,10 @@ from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model import llama
 from confkv_engine.model.loader import load_model
 
-CATEGORIES = ("matmul", "attention", "step metadata", "norm/rope/act", "model other", "sampling",
+CATEGORIES = ("matmul", "lm head", "attention", "step metadata", "norm/rope/act", "model other", "sampling",
               "python/scheduling")
 Scenarios = dict[str, tuple[int, int]]  # name -> (sequences, prompt tokens)
+DEFAULT_MODEL = "builtin:smollm2-135m"
 SCENARIOS: Scenarios = {"decode@1": (1, 128), "decode@32": (32, 128), "prefill@512": (1, 512)}
 
 
@@ -68,6 +71,22 @@ def patched(owner: Any, name: str, label: str) -> Iterator[None]:
         setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def instance_patched(module: nn.Module, label: str) -> Iterator[None]:
+    """Wrap one module's ``forward`` (not its class's) in a profiler range named ``label``."""
+    original = module.forward
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with record_function(label):
+            return original(*args, **kwargs)
+
+    module.forward = wrapper  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward
+
+
 def linear_classes(model: nn.Module) -> set[type]:
     """Every linear-like module class in the model (nn.Linear and the quantized ones)."""
     return {type(m) for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "kernel_for")}
@@ -77,12 +96,15 @@ def linear_classes(model: nn.Module) -> set[type]:
 def labelled(engine: LLMEngine) -> Iterator[None]:
     backend = engine.backend
     with contextlib.ExitStack() as stack:
+        # The head first: its range then wraps the unpatched forward, so it is not also "matmul".
+        stack.enter_context(instance_patched(engine.model.lm_head, "lm head"))
         for cls in linear_classes(engine.model):
             stack.enter_context(patched(cls, "forward", "matmul"))
         stack.enter_context(patched(backend, "attend", "attention"))
         stack.enter_context(patched(backend, "begin_step", "step metadata"))
         stack.enter_context(patched(llama.RMSNorm, "forward", "norm/rope/act"))
         stack.enter_context(patched(llama, "apply_rope", "norm/rope/act"))
+        stack.enter_context(patched(llama, "rms_norm", "norm/rope/act"))  # q/k heads' norm (fused qkv)
         stack.enter_context(patched(llama.MLP, "forward", "norm/rope/act"))
         stack.enter_context(patched(llama.LlamaForCausalLM, "forward", "model other"))
         stack.enter_context(patched(engine_module, "sample_step", "sampling"))
@@ -105,10 +127,11 @@ def exclusive_times(events: Any, labels: set[str]) -> dict[str, float]:
     return totals
 
 
-def build_engine(weights: str, cache_size: str | None = None, compiled: bool = False) -> LLMEngine:
+def build_engine(weights: str, cache_size: str | None = None, compiled: bool = False,
+                 model: str = DEFAULT_MODEL) -> LLMEngine:
     dtype = torch.bfloat16 if weights == "bf16" else torch.float32
     extra = {} if weights in ("fp32", "bf16") else {"weights": weights}
-    loaded = load_model("builtin:smollm2-135m", dtype, "cpu", **extra)
+    loaded = load_model(model, dtype, "cpu", **extra)
     config = ConfKVConfig()
     if cache_size:
         config = with_overrides(config, "confkv", max_cache_size=cache_size)
@@ -188,9 +211,9 @@ def long_decode(engine: LLMEngine, scenario: str, steps: int, scenarios: Scenari
 
 
 def measure(weights: str, steps: int, scenarios: Scenarios, cache_size: str | None,
-            long: bool = False, compiled: bool = False) -> dict[str, Any]:
+            long: bool = False, compiled: bool = False, model: str = DEFAULT_MODEL) -> dict[str, Any]:
     start = time.perf_counter()
-    engine = build_engine(weights, cache_size, compiled)
+    engine = build_engine(weights, cache_size, compiled, model)
     load_s = time.perf_counter() - start
     out: dict[str, Any] = {"load_s": round(load_s, 2)}
     if getattr(engine, "compile_seconds", None) is not None:  # (an engine before model.compile has none)
@@ -226,6 +249,7 @@ def table(results: dict[str, Any], scenarios: Scenarios) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a builtin name, GGUF file or HF directory")
     p.add_argument("--weights", default="fp32,bf16", help="comma-separated --weights modes")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--steps", type=int, default=10, help="decode steps (prefill runs) measured")
@@ -241,15 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.context:
         scenarios = {f"decode@{b}": (int(b), args.context) for b in args.batches.split(",")}
         cache_size = cache_size or "3Gi"  # 32 x 2,048 tokens need 1.5 GB in bf16
-    results = {w: measure(w, args.steps, scenarios, cache_size, bool(args.context), args.compile)
+    results = {w: measure(w, args.steps, scenarios, cache_size, bool(args.context), args.compile, args.model)
                for w in args.weights.split(",")}
-    print(f"threads={args.threads} cpu={torch.backends.cpu.get_cpu_capability()} context={args.context} "
+    print(f"model={args.model} threads={args.threads} cpu={torch.backends.cpu.get_cpu_capability()} "
+          f"context={args.context} "
           f"compile={args.compile} " + " ".join(f"{w}: load {r['load_s']} s, compile {r.get('compile_s')} s"
                                                 for w, r in results.items()))
     print(table(results, scenarios))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"threads": args.threads, "context": args.context,
+        args.out.write_text(json.dumps({"model": args.model, "threads": args.threads, "context": args.context,
                                         "compile": args.compile, "results": results}, indent=2))
     return 0
 

@@ -54,6 +54,24 @@ def test_hf_directory_greedy_equals_transformers(arch, tmp_path):
     _check_parity(load_model(str(model_dir)), hf_model)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qkv_norms_q_and_k_in_one_call_exactly(arch, dtype, tmp_path):
+    """Fused q/k/v (as quantized files are served) normalise and rotate the q and k heads in one
+    call with their norm weights stacked: the logits are bit-identical to separate q and k norms."""
+    _, model_dir = make_tiny_hf_model(arch, tmp_path)
+    model = load_model(str(model_dir), dtype=dtype).model
+    tokens = PROMPT[:8]
+    separate = dense_logits(model, tokens, prompt_len=len(tokens))
+    for layer in model.layers:
+        attn = layer.self_attn
+        qkv = torch.nn.Linear(attn.q_proj.in_features, 1, bias=False, dtype=dtype)
+        qkv.weight = torch.nn.Parameter(torch.cat([attn.q_proj.weight, attn.k_proj.weight,
+                                                   attn.v_proj.weight]), requires_grad=False)
+        attn.fuse(qkv)
+    assert torch.equal(dense_logits(model, tokens, prompt_len=len(tokens)), separate)
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma3", "phi3"])
 def test_sliding_window_is_load_bearing(arch, tmp_path):
     """The same weights attending globally diverge from transformers: the window is what matches."""

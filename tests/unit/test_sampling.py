@@ -13,8 +13,10 @@ from confkv_engine.core.sampling import (
     apply_min_tokens_mask,
     distribution_stats,
     find_stop,
+    greedy_tokens,
     make_generator,
     partial_stop_len,
+    plain_greedy,
     prompt_logprobs,
     sample,
     token_logprobs,
@@ -51,6 +53,30 @@ def test_greedy_rows_take_argmax() -> None:
     logits = _logits(6)
     params = [SamplingParams(temperature=0.0)] * 6
     assert torch.equal(sample(logits, params, [None] * 6), logits.argmax(-1))
+
+
+def test_greedy_tokens_equal_argmax_on_ties_and_in_bf16() -> None:
+    """The fast greedy path picks what ``argmax`` of the fp32 logits picks: the first maximum on
+    ties (here far apart in a wide row), and the same index from bf16 logits as from their fp32
+    widening."""
+    logits = _logits(4, vocab=300_000).bfloat16()
+    logits[0, 7] = logits[0, 299_999] = 50.0
+    logits[1, 200_000] = logits[1, 3] = 60.0
+    assert greedy_tokens(logits)[:2].tolist() == [7, 3]
+    assert torch.equal(greedy_tokens(logits), logits.float().argmax(-1))
+    assert torch.equal(greedy_tokens(logits.float()), logits.float().argmax(-1))
+
+
+def test_plain_greedy_only_without_processing_or_logprobs() -> None:
+    plain = SamplingParams(temperature=0.0)
+    assert plain_greedy([plain, plain], [0, 5])
+    assert not plain_greedy([plain, SamplingParams(temperature=0.0, logprobs=2)], [0, 0])
+    assert not plain_greedy([SamplingParams(temperature=0.5)], [0])
+    assert not plain_greedy([SamplingParams(temperature=0.0, logit_bias=((3, 5.0),))], [0])
+    assert not plain_greedy([SamplingParams(temperature=0.0, presence_penalty=0.5)], [0])
+    banned = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=8)
+    assert not plain_greedy([banned], [1])
+    assert plain_greedy([banned], [2])
 
 
 def test_sample_leaves_logits_untouched() -> None:

@@ -38,9 +38,11 @@ __all__ = [
     "apply_min_tokens_mask",
     "distribution_stats",
     "find_stop",
+    "greedy_tokens",
     "logprobs_for",
     "make_generator",
     "partial_stop_len",
+    "plain_greedy",
     "processed_logits",
     "prompt_logprobs",
     "sample",
@@ -72,7 +74,7 @@ def sample(
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"sample: logits {tuple(logits.shape)} vs {len(params)} params, "
                          f"{len(generators)} generators")
-    out = logits.argmax(dim=-1)  # [B]; also the answer for greedy rows
+    out = greedy_tokens(logits)  # [B]; also the answer for greedy rows
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
@@ -81,6 +83,23 @@ def sample(
                           [generators[i] for i in rows])
     out[idx] = chosen
     return out
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """logits [B, V] in any float dtype -> the index of each row's maximum [B] (int64), the first
+    one on ties, as ``argmax`` (same semantics, NaN included). ``max(dim)`` is used because it
+    measured 3-4x faster than ``argmax`` on 32 x 262,144 logits on a 2-core Xeon (2.2 vs 9.5 ms
+    in fp32)."""
+    return logits.max(dim=-1).indices
+
+
+def plain_greedy(params: Sequence[SamplingParams], num_generated: Sequence[int]) -> bool:
+    """Whether every row's token is the raw logits' argmax and no row returns logprobs: no
+    temperature, bias, penalty, grammar or active ``min_tokens`` ban. Such a step needs neither
+    fp32 logits nor ``processed_logits``' copy of them."""
+    return all(p.greedy and p.logprobs is None and not p.logit_bias and not p.has_penalties
+               and p.structured is None and n >= p.min_tokens
+               for p, n in zip(params, num_generated, strict=True))
 
 
 def _sample_rows(

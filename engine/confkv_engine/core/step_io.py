@@ -41,8 +41,12 @@ def sample_step(model: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tupl
     if not samplers:
         return {}
     index = send(rows) if send is not None else torch.tensor(rows, device=hidden.device)
-    logits = model.compute_logits(hidden[index])
     params = [s.params for s in samplers]
+    if sampling.plain_greedy(params, [len(s.output_token_ids) for s in samplers]):
+        # The raw logits' argmax in the head's dtype: no fp32 copy, no processed copy.
+        tokens = sampling.greedy_tokens(model.compute_logits(hidden[index], fp32=False)).tolist()
+        return {s: (t, None) for s, t in zip(samplers, tokens, strict=True)}
+    logits = model.compute_logits(hidden[index])
     for s in samplers:  # the grammar is compiled on the sequence's first sampling step
         if s.params.structured is not None and s.grammar is None:
             s.grammar = sampling.GrammarState(s.params.structured, tokenizer, vocab_size, eos_token_ids)

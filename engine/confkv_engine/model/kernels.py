@@ -170,8 +170,8 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     summed over one layer (docs/performance.md, "Kernels per CPU"): without native bf16 (AVX2,
     fp32 activations) PyTorch's int4 loses to fp32 GEMM at every row count, one row included
     (8.1 vs 6.7 ms), and ``q4n`` wins up to 16 rows (5.7 vs 6.7, 8.1 vs 8.3, 2.3 vs 2.7 ms at
-    1 / 4 / 16) and loses at 32 (4.2 vs 3.5 ms). With native bf16 (AMX) PyTorch's int4 with bf16
-    activations beats both up to 4 rows and bf16 GEMM wins from 16 (0.70 vs 0.89 ms)."""
+    1 / 4 / 16) and loses at 32 (4.2 vs 3.5 ms). With native bf16 (AMX) PyTorch's int4 and int8
+    with bf16 activations beat bf16 GEMM up to 4 rows and it wins from 16 (int4: 0.70 vs 0.89 ms)."""
     if kind == "dense":
         return "dense"
     if native is None:
@@ -180,8 +180,11 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
         # int8 weight-only with fp32 activations lost to fp32 GEMM even at one row (the 49,152 x
         # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so int8 weights run dense here.
         return "q4n" if kind == "int4" and native and rows <= 16 else "dense"
-    # int8 keeps its earlier bound (16 rows); only int4 was measured again.
-    return kind if rows <= (4 if kind == "int4" else 16) else "dense"
+    # int8 (PyTorch's weight-only kernel, bf16 activations) also stops at 4 rows: its time grows
+    # with the rows where bf16 GEMM's stays flat. Gemma 3's 262,144 x 640 LM head, 2 threads:
+    # 20.1 vs 23.1 ms at 4 rows, 37.0 vs 23.2 at 8, 75.1 vs 23.9 at 16; its layers' 4,096 x 640
+    # and 1,536 x 640 cross over between 4 and 8 rows as well.
+    return kind if rows <= 4 else "dense"
 
 
 @dataclass
