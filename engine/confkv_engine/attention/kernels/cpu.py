@@ -14,9 +14,10 @@ one call, the two combined by log-sum-exp. Why read them: the chunk's queries am
 output per piece, i.e. per 16-token block, when attended piece by piece), and the same calls on the
 same values give the gathering path's bits. That matters beyond rounding: the keys and values a
 chunk writes are what the precision tiers later quantize, and a value a rounding error away from a
-code boundary takes the neighbouring code (a whole quantization step); with pieces, a run of
-SmolLM2 with int4 -> int2 tiers flipped 4 of 103,680 int4 codes of one block and its decode logprobs
-drifted 2.4e-4 from the gathering path's; with the same calls, every code and prompt logprob agree.
+code boundary takes the neighbouring code (a whole quantization step). With pieces, a run of SmolLM2
+with int4 -> int2 tiers changed 4 of the 51,840 bytes of one frozen int4 value block and its decode
+logprobs drifted 2.4e-4 from the gathering path's; with the same calls, every code and prompt
+logprob agree.
 
 A sliding window is applied by starting the pieces at the first slot the query sees (decode); a
 prefill chunk under a window is attended by the reference for that sequence (one copy of its
