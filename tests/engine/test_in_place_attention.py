@@ -1,7 +1,16 @@
 """The in-place attention path (paged kernels over the block tables) gives the gathering path's echo
 logprobs, on the embedded SmolLM2-135M and real text, under every policy and tier: full, StreamingLLM,
-H2O, conf-kv with its KEY_ONLY tier and conf-kv with each precision chain (int8, int4 -> int2, k4v2),
-at a budget that binds during prefill and decode (evictions, KEY_ONLY stand-ins, frozen blocks)."""
+H2O, conf-kv with its KEY_ONLY tier (the default chain) and conf-kv with each precision chain, at a budget
+that binds during prefill and decode (evictions, KEY_ONLY stand-ins, frozen and re-quantized blocks).
+
+The bound is 1e-4 on the prompt (echo) logprobs and the first ``DECODE`` generated ones. Past that the
+two paths are not expected to agree to 1e-4 under precision tiers: decode rows are attended by
+different kernels (one flash call over the gathered table, or the codes kernel, against one call per
+pool run), whose fp32 rounding differs (about 5e-7 relative in the keys and values a decode step writes), and
+once those tokens are quantized a value a rounding error from a code boundary takes the other code.
+Measured with int4 -> int2 at this budget (the prompt logprobs equal to the bit, as in every variant
+here): within 3.8e-6 for the first 44 steps, over 1e-4 from step 101 and 2.6e-3 at step 146, as the
+tokens decoded after the prompt freeze (the same tokens are chosen all along)."""
 
 from __future__ import annotations
 
@@ -19,14 +28,13 @@ from confkv_engine.model.loader import load_model
 from testkit.kv_runs import make_config, parse_args, pydoc_tokens
 
 PROMPT, DECODE, BUDGET = 320, 24, 0.25
-# int4 -> int2: prompt logprobs agree within 1.4e-5 and the tokens are the same, but the decode
-# logprobs drift apart over the steps (6e-5 at the second, 2.4e-4 by the 24th). The run is that
-# sensitive to fp32 rounding itself: the exact fp32 reference kernel (explicit softmax) differs from
-# the gathering path by 5.4e-4 and from the CPU kernel by 5.9e-4 on the same run.
-_DRIFT = pytest.mark.xfail(reason="int4->int2 decode logprobs differ by up to 2.4e-4", strict=False)
+# Every precision chain, alone and combined: the codec quantizes what prefill wrote, so a kernel whose
+# prefill keys or values differed by a rounding error would flip codes and show here (the CPU kernel
+# attends a chunk with the gathering path's own calls for that reason: ``attention.kernels.cpu``).
+CHAINS = [("int8",), ("int4",), ("int2",), ("k4v2",), ("int4", "int2"), ("int8", "int4", "k4v2", "int2")]
 VARIANTS = [("full", None, ()), ("streaming", BUDGET, ()), ("h2o", BUDGET, ()), ("conf-kv", BUDGET, ()),
-            ("conf-kv", BUDGET, ("int8",)), pytest.param("conf-kv", BUDGET, ("int4", "int2"), marks=_DRIFT),
-            ("conf-kv", BUDGET, ("k4v2",))]
+            *(("conf-kv", BUDGET, chain) for chain in CHAINS)]
+IDS = ["full", "streaming", "h2o", "conf-kv", *("-".join(chain) for chain in CHAINS)]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +54,7 @@ def _run(loaded, retention, in_place: bool, tokens: list[int]):
     return prompt, out.output_token_ids, [e.logprob for e in out.logprobs], eng
 
 
-@pytest.mark.parametrize("policy,budget,precisions", VARIANTS,
-                         ids=["full", "streaming", "h2o", "conf-kv", "int8", "int4-int2", "k4v2"])
+@pytest.mark.parametrize("policy,budget,precisions", VARIANTS, ids=IDS)
 def test_in_place_echo_logprobs_equal_gather(loaded, policy, budget, precisions) -> None:
     tokens = pydoc_tokens(loaded.tokenizer)[:PROMPT]
     retention = make_config(policy, budget, parse_args([]), precisions=precisions)

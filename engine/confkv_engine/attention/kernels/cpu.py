@@ -1,12 +1,23 @@
-"""Paged attention on CPU without copying a context: the pool is read through views.
+"""Paged attention on CPU: decode rows read the pool through views, without copying a context.
 
-Per sequence, its table is cut into *pieces*: runs of consecutive blocks of one source (pool or
-side), further cut where the KEY_ONLY range starts and ends and where the step's own slots begin.
-Every piece is a strided view of the pool (no copy) that PyTorch's CPU flash kernel attends with
-its log-sum-exp (``partial.attend_lse``: bf16 / fp16 accumulated in fp32, query heads grouped per KV
-head so GQA reads K and V once); a KEY_ONLY piece contributes its log-sum-exp with the stand-in
-as its output; the pieces combine exactly (``partial.combine``). The step's own slots of a prefill
-chunk (at most the chunk's length) are read into a small tensor and attended with the causal kernel.
+Per decode row, its table is cut into *pieces*: runs of consecutive blocks of one source (pool or
+side), further cut where the KEY_ONLY range starts and ends. Every piece is a strided view of the
+pool (no copy) that PyTorch's CPU flash kernel attends with its log-sum-exp (``partial.attend_lse``:
+bf16 / fp16 accumulated in fp32, query heads grouped per KV head so GQA reads K and V once); a
+KEY_ONLY piece contributes its log-sum-exp with the stand-in as its output; the pieces combine
+exactly (``partial.combine``).
+
+A prefill chunk is attended as the gathering path attends it (``paged.PagedAttention``): its own
+slots with the causal kernel and the slots cached before it read into one tensor and attended in
+one call, the two combined by log-sum-exp. Why read them: the chunk's queries amortise the copy
+(one read of the context per chunk and layer, against one flash call and one [G*T, D] partial
+output per piece, i.e. per 16-token block, when attended piece by piece), and the same calls on the
+same values give the gathering path's bits. That matters beyond rounding: the keys and values a
+chunk writes are what the precision tiers later quantize, and a value a rounding error away from a
+code boundary takes the neighbouring code (a whole quantization step). With pieces, a run of SmolLM2
+with int4 -> int2 tiers changed 4 of the 51,840 bytes of one frozen int4 value block and its decode
+logprobs drifted 2.4e-4 from the gathering path's; with the same calls, every code and prompt
+logprob agree.
 
 A sliding window is applied by starting the pieces at the first slot the query sees (decode); a
 prefill chunk under a window is attended by the reference for that sequence (one copy of its
@@ -64,16 +75,15 @@ def _align(k_pieces: list[Piece], nb: int, has_side: bool, v_table: list[int], l
 
 
 def _plan(batch: PagedBatch, i: int, nb: int, has_side: bool) -> tuple[list[Piece], list[Piece]]:
-    """Sequence ``i``'s K and V pieces before its own slots: the same in every layer, so computed
-    once per step (kept in ``batch.memo``)."""
+    """Decode row ``i``'s K and V pieces (its own slot included, like any cached one): the same in
+    every layer, so computed once per step (kept in ``batch.memo``)."""
     key = ("cpu", i, nb, has_side, batch.window)
     if key not in batch.memo:
-        n, tq, bs = int(batch.seq_lens[i]), int(batch.q_len[i]), batch.block_size
+        n, bs = int(batch.seq_lens[i]), batch.block_size
         lo = 0 if batch.window is None else max(0, n - batch.window)
-        old_end = n - tq if tq > 1 else n  # a decode row sees its own slot like any cached one
         ko = (int(batch.key_only[i, 0]), int(batch.key_only[i, 1]))
         k_table, v_table = batch.k_table[i].tolist(), batch.v_table[i].tolist()
-        k_p = _pieces(nb, has_side, k_table, lo, old_end, ko, bs) if old_end > lo else []
+        k_p = _pieces(nb, has_side, k_table, lo, n, ko, bs)
         batch.memo[key] = (k_p, _align(k_p, nb, has_side, v_table, lo, bs))
     return batch.memo[key]
 
@@ -107,20 +117,44 @@ def _one(q: Tensor, pool: Tensor, side: Tensor | None, batch: PagedBatch, i: int
     """Sequence ``i``'s rows: (out [T, Hq, D], lse [T, Hq])."""
     hkv, d = pool.shape[2], pool.shape[3]
     tq = int(batch.q_len[i])
+    if tq > 1:
+        return _chunk(q, pool, side, batch, i, stand, scale)
     g = q.shape[1] // hkv
     qg = q.view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * tq, d)
     parts = _attend_pieces(qg, _plan(batch, i, pool.shape[0], side is not None), pool, side,
                            batch.v_table[i], stand, scale)
-    if parts:
-        merged = (partial.combine(parts) if len(parts) > 1 else parts[0][0],
-                  torch.logsumexp(torch.stack([lse for _, lse in parts]), 0))
-        parts = [(merged[0].view(hkv, g, tq, d).permute(2, 0, 1, 3).reshape(tq, hkv * g, d),
-                  merged[1].view(hkv, g, tq).permute(2, 0, 1).reshape(tq, hkv * g))]
-    if tq > 1:  # the chunk's own slots, causal
-        parts.append(_own(q, pool, side, batch, i, stand, scale))
-    if len(parts) == 1:
-        return parts[0]
-    return partial.combine(parts), torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
+    out = partial.combine(parts) if len(parts) > 1 else parts[0][0]
+    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
+    return out.view(hkv, g, tq, d).permute(2, 0, 1, 3).reshape(tq, hkv * g, d), lse.view(hkv, g, tq).permute(
+        2, 0, 1).reshape(tq, hkv * g)
+
+
+def _chunk(q: Tensor, pool: Tensor, side: Tensor | None, batch: PagedBatch, i: int,
+           stand: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """A prefill chunk: its own slots (causal) and its sequence's cached slots, each in one call, as
+    the gathering path attends them (see the module docstring for why the cached slots are read)."""
+    own = _own(q, pool, side, batch, i, stand, scale)
+    if int(batch.seq_lens[i]) == int(batch.q_len[i]):
+        return own
+    old = _cached(q, pool, side, batch, i, stand, scale)
+    return partial.combine([own, old]), torch.logsumexp(torch.stack([own[1], old[1]]), 0)
+
+
+def _cached(q: Tensor, pool: Tensor, side: Tensor | None, batch: PagedBatch, i: int,
+            stand: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """A prefill chunk against the slots cached before it, read into one tensor, every slot visible."""
+    hkv, d = pool.shape[2], pool.shape[3]
+    n, tq = int(batch.seq_lens[i]), int(batch.q_len[i])
+    g, cached = q.shape[1] // hkv, n - tq
+    keys = read_slots(pool, side, batch.k_table[i], cached).to(q.dtype)
+    vals = read_slots(pool, side, batch.v_table[i], cached).to(q.dtype)
+    ko_start, ko_count = int(batch.key_only[i, 0]), int(batch.key_only[i, 1])
+    if stand is not None and ko_count:
+        vals[ko_start:ko_start + ko_count] = stand.to(q.dtype)
+    qg = q.view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * tq, d)
+    out, lse = partial.attend_lse(qg, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], scale=scale)
+    return (out.view(hkv, g, tq, d).permute(2, 0, 1, 3).reshape(tq, hkv * g, d),
+            lse.view(hkv, g, tq).permute(2, 0, 1).reshape(tq, hkv * g))
 
 
 def _own(q: Tensor, pool: Tensor, side: Tensor | None, batch: PagedBatch, i: int,
