@@ -13,23 +13,26 @@ from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
 from confkv_engine.model.llama import dense_causal_attention
 
 L, HQ, HKV, D, BS = 2, 6, 2, 32, 4
-LENGTHS = [3, 17, 9]  # prompts, then decode steps: tables of one to six blocks, partly filled
+# Prompts, then decode steps: tables of one to six blocks, partly filled. One row alone has fewer
+# (row, KV head) pairs than twice the threads of a 2-core machine: its slots are split in parts.
+BATCHES = {"three_rows": [3, 17, 9], "one_row": [23]}
 
 pytestmark = pytest.mark.skipif(not native_decode.available(),
                                 reason="the native decode library is not built here (setup.py)")
 
 
-def _run(dtype: torch.dtype, native: bool, window: int | None, steps: int = 4) -> list[torch.Tensor]:
-    """Prefill ``LENGTHS``, then ``steps`` decode steps of all three; the decode outputs of every
+def _run(dtype: torch.dtype, native: bool, window: int | None, lengths: list[int],
+         steps: int = 4) -> list[torch.Tensor]:
+    """Prefill ``lengths``, then ``steps`` decode steps of all three; the decode outputs of every
     layer, plus the dense reference's when ``native`` (appended after them)."""
     spec = CacheSpec(L, HKV, D, BS, dtype, torch.device("cpu"))
     cache = KVCache(spec, 96)
     backend = PagedAttention(cache, HQ, native=native)
     gen = torch.Generator().manual_seed(0)
-    seqs = [SeqKV() for _ in LENGTHS]
+    seqs = [SeqKV() for _ in lengths]
     history = [[([], []) for _ in range(L)] for _ in seqs]
     outs, refs = [], []
-    for num_new in [LENGTHS] + [[1] * len(seqs)] * steps:
+    for num_new in [lengths] + [[1] * len(seqs)] * steps:
         pos = torch.cat([torch.arange(s.num_slots, s.num_slots + n)
                          for s, n in zip(seqs, num_new, strict=True)])
         for s, n in zip(seqs, num_new, strict=True):
@@ -55,11 +58,12 @@ def _run(dtype: torch.dtype, native: bool, window: int | None, steps: int = 4) -
     return outs + ([torch.cat(refs)] if native else [])
 
 
+@pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("window", [None, 6], ids=["global", "window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_native_decode_matches_gather_and_dense(dtype: torch.dtype, window: int | None) -> None:
-    *native, ref = _run(dtype, True, window)
-    gathered = _run(dtype, False, window)
+def test_native_decode_matches_gather_and_dense(dtype: torch.dtype, window: int | None, batch: str) -> None:
+    *native, ref = _run(dtype, True, window, BATCHES[batch])
+    gathered = _run(dtype, False, window, BATCHES[batch])
     # fp32: the same sums in another order; bf16: both round one fp32 result to bf16 (one ulp apart at most).
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
     for mine, theirs in zip(native, gathered, strict=True):

@@ -17,9 +17,12 @@
    flash kernel computes the same in fp32 in another order (online rescaling per block), so the two
    agree to fp32 rounding before the output's own rounding.
 
-   Threads: OpenMP over (row, KV head) pairs (a KV head's query heads share each K and V read), as many as the caller passes (PyTorch's count,
-   called from the engine thread: that thread's OpenMP team). The per-pair body is compiled for
-   AVX-512, AVX2 and plain x86-64 (`target_clones`: the loader picks the best the CPU runs). */
+   Threads: OpenMP over (row, KV head) pairs (a KV head's query heads share each K and V read), as
+   many as the caller passes (PyTorch's count, called from the engine thread: that thread's OpenMP
+   team); with fewer pairs than twice the threads (one row: 3 pairs here) each pair's slots are cut
+   in parts combined exactly through their maxima and exp sums. The inner loops run on AVX-512
+   registers where the CPU has them (head dim a multiple of 16), else in plain C compiled for
+   AVX-512, AVX2 and x86-64 (`target_clones`: the loader picks the best the CPU runs). */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,8 +61,9 @@ typedef struct {
     int dtype;
 } Pool;
 
-/* Each of `rows` rows of `scores` ([rows, len]) replaced by its softmax (max first, exact sum). */
-static void softmax_rows(float *scores, int64_t rows, int64_t len) {
+/* Each of `rows` rows of `scores` ([rows, len]) replaced by exp(score - its max); stats[2 g] gets
+   row g's max, stats[2 g + 1] the sum of its exps (the caller normalises, once all parts are in). */
+static void softmax_rows(float *scores, int64_t rows, int64_t len, float *stats) {
     for (int64_t g = 0; g < rows; g++) {
         float *s = scores + g * len, best = -INFINITY, total = 0.0f;
         for (int64_t n = 0; n < len; n++) best = s[n] > best ? s[n] : best;
@@ -67,8 +71,8 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
             s[n] = expf(s[n] - best);
             total += s[n];
         }
-        float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t n = 0; n < len; n++) s[n] *= inv;
+        stats[2 * g] = best;
+        stats[2 * g + 1] = total;
     }
 }
 
@@ -90,11 +94,13 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
         }                                                                                           \
     }
 
-/* One KV head's `group` query heads (q: [group, d] fp32) over slots [lo, hi); out [group, d] fp32.
-   scores: room for group * (hi - lo) floats. */
+/* One KV head's `group` query heads (q: [group, d] fp32) over slots [lo, hi): out [group, d] fp32
+   unnormalised (sum of exp(s - max) v) and stats [group, 2] (max, sum of exps); scores: room for
+   group * (hi - lo) floats. */
 CLONES
 static void attend_group(const Pool *p, const float *q, int64_t group, int64_t lo, int64_t hi,
-                         int64_t head, float scale, float *scores, float *out) {
+                         int64_t head, float scale, float *scores, float *out,
+                         float *stats) {
     const int64_t d = p->d, len = hi - lo;
     float buf[MAX_D];
     FOR_SLOTS(p, p->k_table, head, lo, hi, buf, {
@@ -105,7 +111,7 @@ static void attend_group(const Pool *p, const float *q, int64_t group, int64_t l
             scores[g * len + (n - lo)] = acc * scale;
         }
     })
-    softmax_rows(scores, group, len);
+    softmax_rows(scores, group, len, stats);
     for (int64_t i = 0; i < group * d; i++) out[i] = 0.0f;
     FOR_SLOTS(p, p->v_table, head, lo, hi, buf, {
         for (int64_t g = 0; g < group; g++) {
@@ -128,7 +134,8 @@ AVX512 static inline __m512 load16(const Pool *p, int64_t at) {
 
 /* attend_group with AVX-512 registers, for d a multiple of 16 (d / 16 * group <= 32 vectors). */
 AVX512 static void attend_group_avx512(const Pool *p, const float *q, int64_t group, int64_t lo,
-                                       int64_t hi, int64_t head, float scale, float *scores, float *out) {
+                                       int64_t hi, int64_t head, float scale, float *scores, float *out,
+                         float *stats) {
     const int64_t d = p->d, chunks = d / 16, len = hi - lo, bs = p->bs;
     __m512 qv[32], acc[32];
     for (int64_t j = 0; j < group * chunks; j++) qv[j] = _mm512_loadu_ps(q + j * 16);
@@ -146,7 +153,7 @@ AVX512 static void attend_group_avx512(const Pool *p, const float *q, int64_t gr
             for (int64_t g = 0; g < group; g++) scores[g * len + (n - lo)] = _mm512_reduce_add_ps(sum[g]) * scale;
         }
     }
-    softmax_rows(scores, group, len);
+    softmax_rows(scores, group, len, stats);
     for (int64_t j = 0; j < group * chunks; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b0 = lo / bs * bs; b0 < hi; b0 += bs) {
         int64_t first = b0 > lo ? b0 : lo, last = b0 + bs < hi ? b0 + bs : hi;
@@ -184,6 +191,14 @@ static int use_avx512(int64_t d, int64_t group) {
 
 /* Returns 0, or -1 (a dtype it does not read), -2 (head dim above MAX_D, heads not grouped or more than MAX_GROUP per KV head),
    -3 (out of memory for the scores). */
+/* Part `part` of `parts` of [lo, hi), in whole blocks where it can. */
+static void part_range(int64_t lo, int64_t hi, int64_t part, int64_t parts, int64_t bs, int64_t *a,
+                       int64_t *b) {
+    int64_t step = ((hi - lo + parts - 1) / parts + bs - 1) / bs * bs;
+    *a = lo + part * step < hi ? lo + part * step : hi;
+    *b = *a + step < hi ? *a + step : hi;
+}
+
 int confkv_decode_attention(const void *q, void *out, int dtype, int64_t rows, int64_t hq,
                             const void *pool, int64_t bs, int64_t hkv, int64_t d,
                             const int64_t *k_table, const int64_t *v_table, int64_t width,
@@ -192,36 +207,67 @@ int confkv_decode_attention(const void *q, void *out, int dtype, int64_t rows, i
     if (d > MAX_D || hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP) return -2;
     int64_t longest = 1;
     for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
-    int64_t group = hq / hkv, tasks = rows * hkv;
+    /* Fewer (row, KV head) pairs than twice the threads: each pair's slots are cut in parts (split-K)
+       so every thread has work; the parts are combined exactly through their maxima and sums. */
+    int64_t group = hq / hkv, pairs = rows * hkv, gd = group * d;
+    int64_t parts = threads > 1 && pairs < 2 * threads ? (2 * threads + pairs - 1) / pairs : 1;
+    float *partial = malloc(sizeof(float) * (size_t)(pairs * parts * (gd + 2 * group)));
+    if (partial == NULL) return -3;
+    float *stats = partial + pairs * parts * gd;
     int failed = 0, avx512 = use_avx512(d, group);
-#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (tasks > 1 && threads > 1)
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (pairs * parts > 1 && threads > 1)
     {
         float *scores = malloc(sizeof(float) * (size_t)(longest * group));
-        float qf[MAX_GROUP * MAX_D], of[MAX_GROUP * MAX_D];
+        float qf[MAX_GROUP * MAX_D];
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
+        for (int64_t t = 0; t < pairs * parts; t++) {
             if (scores == NULL) continue;
-            int64_t r = t / hkv, h = t % hkv, hi = lens[r];
+            int64_t pair = t / parts, r = pair / hkv, h = pair % hkv, hi = lens[r], a, b;
             int64_t lo = window > 0 && hi > window ? hi - window : 0;
+            part_range(lo, hi, t % parts, parts, bs, &a, &b);
             Pool p = {pool, k_table + r * width, v_table + r * width, bs, hkv, d, dtype};
-            int64_t at = (r * hq + h * group) * d, n = group * d; /* the group's heads are adjacent */
-            if (dtype == DT_F32) memcpy(qf, (const float *)q + at, sizeof(float) * (size_t)n);
+            int64_t at = (r * hq + h * group) * d; /* the group's heads are adjacent */
+            if (dtype == DT_F32) memcpy(qf, (const float *)q + at, sizeof(float) * (size_t)gd);
             else
-                for (int64_t i = 0; i < n; i++) qf[i] = bf16_to_f32(((const uint16_t *)q)[at + i]);
+                for (int64_t i = 0; i < gd; i++) qf[i] = bf16_to_f32(((const uint16_t *)q)[at + i]);
 #ifdef HAVE_AVX512_PATH
-            if (avx512) attend_group_avx512(&p, qf, group, lo, hi, h, scale, scores, of);
+            float *po = partial + t * gd, *ps = stats + t * 2 * group;
+            if (avx512) attend_group_avx512(&p, qf, group, a, b, h, scale, scores, po, ps);
             else
 #endif
-                attend_group(&p, qf, group, lo, hi, h, scale, scores, of);
-            if (dtype == DT_F32) memcpy((float *)out + at, of, sizeof(float) * (size_t)n);
-            else
-                for (int64_t i = 0; i < n; i++) ((uint16_t *)out)[at + i] = f32_to_bf16(of[i]);
+                attend_group(&p, qf, group, a, b, h, scale, scores, po, ps);
         }
         free(scores);
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            int64_t r = pair / hkv, h = pair % hkv, at = (r * hq + h * group) * d;
+            for (int64_t g = 0; g < group; g++) {
+                float best = -INFINITY, total = 0.0f, of[MAX_D];
+                for (int64_t k = 0; k < parts; k++) {
+                    float m = stats[((pair * parts + k) * group + g) * 2];
+                    best = m > best ? m : best;
+                }
+                for (int64_t i = 0; i < d; i++) of[i] = 0.0f;
+                for (int64_t k = 0; k < parts; k++) {
+                    const float *st = stats + ((pair * parts + k) * group + g) * 2;
+                    if (st[1] == 0.0f) continue; /* an empty part */
+                    float w = expf(st[0] - best);
+                    total += w * st[1];
+                    const float *o = partial + (pair * parts + k) * gd + g * d;
+                    for (int64_t i = 0; i < d; i++) of[i] += w * o[i];
+                }
+                float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t i = 0; i < d; i++) {
+                    if (dtype == DT_F32) ((float *)out)[at + g * d + i] = of[i] * inv;
+                    else ((uint16_t *)out)[at + g * d + i] = f32_to_bf16(of[i] * inv);
+                }
+            }
+        }
     }
+    free(partial);
     return failed ? -3 : 0;
 }
