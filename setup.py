@@ -1,5 +1,6 @@
 """The native part of the build: the codec's block decoder (``cache/codec/_dequant.c``) and the
-int4-weight matmul for CPUs (``model/_q4matmul.c``, its SIMD body in ``model/q4_simd.h``).
+int4-weight matmul for CPUs (``model/_q4matmul.c``, its SIMD body in ``model/q4_simd.h``) and
+the decode attention read from the paged pool (``attention/kernels/_decode.c``).
 
 Everything else is declared in pyproject.toml. The library is plain C with a C ABI (no Python or
 PyTorch headers; ``codec.native`` loads it with ctypes), optional: without a C compiler the install
@@ -28,6 +29,16 @@ setup(ext_modules=[
         "confkv_engine.model._q4matmul",
         sources=["engine/confkv_engine/model/_q4matmul.c"],
         depends=["engine/confkv_engine/model/q4_simd.h"],
+        extra_compile_args=["-O3", *OPENMP],
+        extra_link_args=OPENMP,
+        libraries=["m"],
+        optional=True,
+    ),
+    # Decode attention read from the paged pool; its per-row body is cloned for AVX-512 / AVX2 /
+    # x86-64 by the compiler (target_clones), chosen at load.
+    Extension(
+        "confkv_engine.attention.kernels._decode",
+        sources=["engine/confkv_engine/attention/kernels/_decode.c"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],

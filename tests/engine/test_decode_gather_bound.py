@@ -52,7 +52,8 @@ def _decode_batch(bound: int | None) -> tuple[torch.Tensor, int, int]:
     returns (the decode outputs of every layer, the step's largest allocation, groups)."""
     spec = CacheSpec(L, HKV, D, BS, torch.float32, torch.device("cpu"))
     cache = KVCache(spec, 128)
-    backend = PagedAttention(cache, HQ, max_gather_bytes=bound)
+    # The gathering path (the native decode kernel reads the pool in place and gathers nothing).
+    backend = PagedAttention(cache, HQ, max_gather_bytes=bound, native=False)
     gen = torch.Generator().manual_seed(0)
     seqs = [SeqKV() for _ in range(4)]
     lengths = [SHORT, LONG, SHORT, SHORT]  # the long row in the middle: groups are runs in step order

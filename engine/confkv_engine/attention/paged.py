@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from confkv_engine.attention import codes, partial
-from confkv_engine.attention.kernels import PagedBatch, PagedKernel, kernel_for
+from confkv_engine.attention.kernels import PagedBatch, PagedKernel, kernel_for, native_decode
 from confkv_engine.attention.window_groups import WindowStep
 from confkv_engine.cache.arena import GatherPlan
 from confkv_engine.cache.block_pool import is_compressed
@@ -115,13 +115,16 @@ class PagedAttention:
     """``AttentionBackend`` over a ``KVCache``. Use: begin_step -> model.forward -> end_step."""
 
     def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None,
-                 in_place: bool | None = None, from_codes: bool | None = None) -> None:
+                 in_place: bool | None = None, from_codes: bool | None = None,
+                 native: bool | None = None) -> None:
         """``max_gather_bytes``: one decode gather's bytes at most (None: unbounded). ``in_place``:
         attend through the block tables with a paged kernel (``attention.kernels``) instead of
         gathering (None: off until a GPU run has checked the compiled kernel). The gathering path
         stays the reference the kernels are tested against. ``from_codes``: decode rows attend their
         compressed blocks from the codes (``attention.codes``, where the native library is; None: on
-        unless ``CONFKV_CODES_ATTENTION=0``)."""
+        unless ``CONFKV_CODES_ATTENTION=0``). ``native``: decode-only steps read the pool in place
+        with the native kernel (``kernels.native_decode``; None: where the library is, unless
+        ``CONFKV_NATIVE_DECODE=0``; False: the gathering path always)."""
         self.cache = cache
         self.max_gather_bytes = max_gather_bytes  # one decode gather's bytes at most (None: unbounded)
         spec = cache.spec
@@ -141,6 +144,11 @@ class PagedAttention:
         # On by default: measured faster than decode-then-attend in the engine step (docs/performance.md).
         self.from_codes = codes.wanted(from_codes) and codes.available(cache)
         self._codes_memo = codes.SplitMemo()  # decode rows' splits, reused across steps
+        # Decode-only steps read the pool in place with the native kernel where it can.
+        self.native_ok = (native is not False and native_decode.available() and native_decode.reads(cache.kv)
+                          and spec.dtype == spec.compute_dtype and cache.scale is None
+                          and spec.layer_groups is None)
+        self.native: native_decode.DecodeTables | None = None
 
     # ---- per-step metadata -------------------------------------------------------------------
     def begin_step(self, seqs: list[SeqKV], num_new: list[int], positions: Tensor) -> None:
@@ -166,10 +174,32 @@ class PagedAttention:
             self.decode, self.prefills = [], []
             self._begin_paged(seqs, num_new)
             return
+        self.native = self._native_tables(seqs) if len(dec) == len(seqs) else None
+        if self.native is not None:  # every layer reads the pool in place: no gather plan, no mask
+            self.decode, self.prefills = [], []
+            return
         self.decode: list[DecodePlan] = self._build_decode([seqs[i] for i in dec]) if dec else []
         self.prefills: list[PrefillPlan] = [
             self._build_prefill(i, seqs[i], n, slice(offsets[i], offsets[i + 1]))
             for i, n in enumerate(num_new) if n > 1]
+
+    def _native_tables(self, seqs: list[SeqKV]) -> native_decode.DecodeTables | None:
+        """A decode-only step's tables for the native kernel (``native_decode``), or None where it
+        does not apply: no library, a pool it does not read (int8 / fp8, or stored in another dtype
+        than the compute one), window groups, a compressed block, or values stood in for."""
+        cache = self.cache
+        if not (self.native_ok and self._plain_values()):
+            return None
+        # Handles are negative (``block_pool.is_compressed``); min() keeps the scan in C.
+        if any(s.k_blocks and is_compressed(min(min(s.k_blocks), min(s.v_blocks))) for s in seqs):
+            return None
+        return native_decode.DecodeTables.build([s.k_blocks for s in seqs], [s.v_blocks for s in seqs],
+                                                [s.num_slots + 1 for s in seqs], cache.null_block)
+
+    def _plain_values(self) -> bool:
+        """Whether this step's values are the pool's as they are (a subclass that stands values in,
+        or records queries, says no when it does)."""
+        return True
 
     def _build_decode(self, seqs: list[SeqKV]) -> list[DecodePlan]:
         return [self._decode_group(seqs[rows], rows) for rows in self._decode_groups(seqs)]
@@ -260,6 +290,8 @@ class PagedAttention:
             return self._window.attend(group, layer, q)
         if self.paged is not None:
             return self._attend_paged(layer, q, window)
+        if self.native is not None:
+            return native_decode.decode_attention(q, self.cache.kv[layer], self.native, window)
         parts = []
         if self.decode:
             q_dec = q[self.decode_rows]

@@ -53,8 +53,9 @@ class RetainedSequence(Protocol):
 
 class RetentionAttention(PagedAttention):
     def __init__(self, cache: KVCache, num_q_heads: int, max_gather_bytes: int | None = None,
-                 in_place: bool | None = None, from_codes: bool | None = None) -> None:
-        super().__init__(cache, num_q_heads, max_gather_bytes, in_place, from_codes)
+                 in_place: bool | None = None, from_codes: bool | None = None,
+                 native: bool | None = None) -> None:
+        super().__init__(cache, num_q_heads, max_gather_bytes, in_place, from_codes, native)
         self._dec_states: list[RetainedSequence | None] = []
         self._states: list[RetainedSequence | None] = []
 
@@ -71,6 +72,9 @@ class RetentionAttention(PagedAttention):
                 start += n
         self._dec_states = [states[i] for i in self.decode_index]
         self._states = states
+
+    def _plain_values(self) -> bool:
+        return all(st is None for st in self._states)
 
     def _attend_decode(self, layer: int, q: Tensor, plan: DecodePlan, window: int | None = None) -> Tensor:
         for i, st in enumerate(self._dec_states[plan.rows]):

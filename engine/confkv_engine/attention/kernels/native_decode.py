@@ -1,0 +1,101 @@
+"""Decode attention read straight from the pool (``_decode.c``), loaded with ctypes when it was built.
+
+``pip install`` builds ``_decode.c`` next to this module (``setup.py``: an optional extension;
+without a C compiler the install goes on, ``available()`` is False and the gathering path serves).
+Nothing is compiled or downloaded at run time.
+
+What it replaces, per layer of a decode step: the gather of every cached K and V block into a fresh
+tensor, the additive mask and PyTorch's flash kernel over the copy. Measured on the embedded model
+at one decode row (2 threads): the gather and the kernel took about 115 us a layer; see
+docs/performance.md for the step. Covered: CPU, fp32 or bf16 query and pool of one dtype (an int8,
+fp8 or fp16 pool keeps the gathering path), any head dim up to 256, grouped query heads, a sliding
+window. ``CONFKV_NATIVE_DECODE=0`` turns it off (the gathering path, for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import math
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+LIBRARY = "_decode"
+SWITCH = "CONFKV_NATIVE_DECODE"
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ERRORS = {-1: "unsupported dtype", -2: "head dim above 256 or query heads not grouped",
+           -3: "out of memory for the scores"}
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(SWITCH, "1") == "0":
+        return None
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{LIBRARY}{suffix}"
+        if path.exists():
+            lib = ctypes.CDLL(str(path))
+            fn = lib.confkv_decode_attention
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_float, ctypes.c_int]
+            return lib
+    return None
+
+
+def available() -> bool:
+    """Whether the library was built and loads here (and is not switched off)."""
+    return _library() is not None
+
+
+def reads(pool: Tensor) -> bool:
+    """Whether the kernel reads this pool (CPU, fp32 or bf16) in place."""
+    return pool.device.type == "cpu" and pool.dtype in DTYPES
+
+
+@dataclass(frozen=True)
+class DecodeTables:
+    """One decode step's rows as the kernel reads them (built once per step, used by every layer)."""
+
+    k_table: Tensor  # [B, width] int64, padded with any valid block
+    v_table: Tensor  # [B, width] int64
+    lens: Tensor  # [B] int64: visible slots per row, the row's own new slot included
+
+    @classmethod
+    def build(cls, k_tables: list[list[int]], v_tables: list[list[int]], lens: list[int],
+              pad: int) -> DecodeTables:
+        width = max(1, max(len(t) for t in k_tables + v_tables))
+        k = torch.tensor([t + [pad] * (width - len(t)) for t in k_tables], dtype=torch.long)
+        v = torch.tensor([t + [pad] * (width - len(t)) for t in v_tables], dtype=torch.long)
+        return cls(k, v, torch.tensor(lens, dtype=torch.long))
+
+
+def decode_attention(q: Tensor, pool: Tensor, tables: DecodeTables, window: int | None = None,
+                     scale: float | None = None) -> Tensor:
+    """q [B, Hq, D] against pool layer ``pool`` [NB, bs, Hkv, D] (q's dtype) through ``tables``;
+    returns [B, Hq, D] in q's dtype. ``window``: only the last ``window`` visible slots."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native decode attention library is not built (see setup.py)")
+    b, hq, d = q.shape
+    if pool.dtype != q.dtype or q.dtype not in DTYPES or not pool.is_contiguous():
+        raise ValueError(f"native decode attention: q {q.dtype}, pool {pool.dtype} (contiguous: "
+                         f"{pool.is_contiguous()}) must be one contiguous fp32 or bf16 pair")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _, bs, hkv, _ = pool.shape
+    rc = lib.confkv_decode_attention(
+        q.data_ptr(), out.data_ptr(), DTYPES[q.dtype], b, hq, pool.data_ptr(), bs, hkv, d,
+        tables.k_table.data_ptr(), tables.v_table.data_ptr(), tables.k_table.shape[1], tables.lens.data_ptr(),
+        window or 0, scale if scale is not None else 1.0 / math.sqrt(d), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"native decode attention: {_ERRORS.get(rc, rc)}")
+    return out
