@@ -261,10 +261,11 @@ class ConfKVSection(_Model):
     budget: float | None = Field(default=None, gt=0.0, le=1.0)
     budget_tokens: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     budget_mode: Literal["always", "pressure"] = "always"
-    # conf-kv's kept tiers, highest first (DISCARD implied): ["full", "int4", "int2"] lets confidence
-    # choose each token's precision (docs/retention.md, Precision tiers); ["full", "key_only"] is the
-    # FULL / KEY_ONLY / DISCARD chain.
-    tiers: list[TierName] = Field(default_factory=lambda: ["full", "key_only"], min_length=1, max_length=5)
+    # conf-kv's kept tiers, highest first (DISCARD implied). The default ["full", "int4", "int2"] lets
+    # confidence choose each token's precision (docs/retention.md, Precision tiers): decode attends the
+    # frozen blocks from their codes at about the full policy's step cost, and it keeps far more quality
+    # than dropping V at the same bytes. ["full", "key_only"] (FULL / KEY_ONLY / DISCARD) stays available.
+    tiers: list[TierName] = Field(default_factory=lambda: ["full", "int4", "int2"], min_length=1, max_length=5)
     eviction: EvictionSection = EvictionSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
     warmup: WarmupSection = WarmupSection()
