@@ -2,8 +2,9 @@
 ``openai`` client, echo + logprobs, on held-out text (``testkit.held_out``: never used for tuning).
 
 For every variant and budget one server starts with the server's defaults plus the variant's flags
-and ``--kv-budget F`` (``none`` in ``--budgets``: no budget, thresholds only); each window goes in as a token-id prompt with ``max_tokens=0, echo=True,
-logprobs=0`` and the returned prompt log-probabilities give the perplexity. The reference is a
+and ``--kv-budget F`` (``none`` in ``--budgets``: no budget, thresholds only); each window goes in
+as a token-id prompt with ``max_tokens=0, echo=True, logprobs=0`` and the returned prompt
+log-probabilities give the perplexity. The reference is a
 server with the same defaults and no budget (the full cache). Variants:
 
 - ``h2o``: ``--kv-policy h2o``;
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma-separated: h2o, conf-kv, conf-kv+tiers, conf-kv+key_only")
-    ap.add_argument("--budgets", default="0.25,0.125", help="comma-separated --kv-budget fractions; none: no budget")
+    ap.add_argument("--budgets", default="0.25,0.125",
+                    help="comma-separated --kv-budget fractions; none: no budget")
     ap.add_argument("--tiers", default="full,int4,int2", help="--kv-tiers of the conf-kv+tiers rows")
     ap.add_argument("--windows", type=int, default=2, help="1,024-token windows per text kind")
     ap.add_argument("--kv-cache-dtype", default="bfloat16", help="--kv-cache-dtype of every server")
