@@ -241,6 +241,7 @@ def check_tiers(tiers: list[str]) -> list[str]:
 
 
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
+CODED_CACHE_DTYPES = ("int8", "fp8")  # pools whose entries are codes: no precision tiers on top
 
 
 class ConfKVSection(_Model):
@@ -261,10 +262,13 @@ class ConfKVSection(_Model):
     budget: float | None = Field(default=None, gt=0.0, le=1.0)
     budget_tokens: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     budget_mode: Literal["always", "pressure"] = "always"
-    # conf-kv's kept tiers, highest first (DISCARD implied): ["full", "int4", "int2"] lets confidence
-    # choose each token's precision (docs/retention.md, Precision tiers); ["full", "key_only"] is the
-    # FULL / KEY_ONLY / DISCARD chain.
-    tiers: list[TierName] = Field(default_factory=lambda: ["full", "key_only"], min_length=1, max_length=5)
+    # conf-kv's kept tiers, highest first (DISCARD implied). The default ["full", "int4", "int2"] lets
+    # confidence choose each token's precision (docs/retention.md, Precision tiers): decode attends the
+    # frozen blocks from their codes at about the full policy's step cost, and it keeps far more quality
+    # than dropping V at the same bytes. ["full", "key_only"] (FULL / KEY_ONLY / DISCARD) stays available.
+    # An int8 / fp8 pool's default is ["full", "key_only"] (``_default_tiers_for_the_pool``).
+    tiers: list[TierName] = Field(default_factory=lambda: ["full", "int4", "int2"], min_length=1,
+                                  max_length=5)
     eviction: EvictionSection = EvictionSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
     warmup: WarmupSection = WarmupSection()
@@ -292,6 +296,24 @@ class ConfKVSection(_Model):
         if self.budget is not None and self.budget_tokens is not None:
             raise ValueError("set at most one of budget and budgetTokens")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tiers_for_the_pool(cls, data: Any) -> Any:
+        # An int8 or fp8 pool holds codes already, so precision tiers cannot re-encode it: there the
+        # default chain is FULL / KEY_ONLY (a default that follows --kv-cache-dtype, as vLLM's do);
+        # a precision chain asked for explicitly is refused below, never silently replaced.
+        if isinstance(data, dict) and "tiers" not in data and \
+                data.get("kvCacheDtype", data.get("kv_cache_dtype")) in CODED_CACHE_DTYPES:
+            return {**data, "tiers": ["full", "key_only"]}
+        return data
+
+    @model_validator(mode="after")
+    def _tiers_fit_the_pool(self) -> ConfKVSection:
+        if self.kv_cache_dtype not in CODED_CACHE_DTYPES or set(self.tiers) <= {"full", "key_only"}:
+            return self
+        raise ValueError(f"tiers {self.tiers} need a bfloat16, float16 or float32 KV cache (kvCacheDtype "
+                         f"{self.kv_cache_dtype} holds codes already); use tiers ['full', 'key_only']")
 
 
 class AlertRule(_Model):
@@ -405,9 +427,11 @@ def dump_config(config: ConfKVConfig) -> dict[str, Any]:
 
 
 def with_overrides(config: ConfKVConfig, section: str, **values: Any) -> ConfKVConfig:
-    """Return a copy with ``values`` (snake_case, None ignored) applied to one section, revalidated."""
+    """Return a copy with ``values`` (snake_case, None ignored) applied to one section, revalidated.
+    Only the section's fields that were set carry over, so a default that follows another field
+    (``ConfKVSection.tiers`` follows ``kvCacheDtype``) follows the override too."""
     current = dump_config(config)
-    sub = getattr(config, section).model_dump(mode="json", by_alias=False)
+    sub = getattr(config, section).model_dump(mode="json", by_alias=False, exclude_unset=True)
     sub.update({k: v for k, v in values.items() if v is not None})
     try:
         validated = type(getattr(config, section)).model_validate(sub)

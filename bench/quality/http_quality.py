@@ -2,13 +2,19 @@
 ``openai`` client, echo + logprobs, on held-out text (``testkit.held_out``: never used for tuning).
 
 For every variant and budget one server starts with the server's defaults plus the variant's flags
-and ``--kv-budget F``; each window goes in as a token-id prompt with ``max_tokens=0, echo=True,
-logprobs=0`` and the returned prompt log-probabilities give the perplexity. The reference is a
+and ``--kv-budget F`` (``none`` in ``--budgets``: no budget, thresholds only); each window goes in
+as a token-id prompt with ``max_tokens=0, echo=True, logprobs=0`` and the returned prompt
+log-probabilities give the perplexity. The reference is a
 server with the same defaults and no budget (the full cache). Variants:
 
 - ``h2o``: ``--kv-policy h2o``;
-- ``conf-kv``: ``--kv-policy conf-kv`` (today's default tiers, FULL / KEY_ONLY / DISCARD);
-- ``conf-kv+tiers``: ``--kv-policy conf-kv --kv-tiers full,int4,int2`` (``--tiers`` sets the chain).
+- ``conf-kv``: ``--kv-policy conf-kv`` (the default tiers: the precision chain FULL / int4 / int2 /
+  DISCARD);
+- ``conf-kv+tiers``: ``--kv-policy conf-kv --kv-tiers full,int4,int2`` (``--tiers`` sets the chain);
+- ``conf-kv+key_only``: ``--kv-policy conf-kv --kv-tiers full,key_only`` (FULL / KEY_ONLY / DISCARD).
+
+Rows of ``conf-kv`` stored before the default tiers changed carry the same flags: re-measure them with
+``--label`` or ``--force``.
 
 Text kinds (two 1,024-token windows each by default): ``prose`` (plain English prose) and
 ``repeat`` (the same prose with passages re-inserted from 190-960 tokens back). Perplexity is over
@@ -43,16 +49,18 @@ from testkit import held_out
 RESULTS = results_dir("quality")
 MODEL = "builtin:smollm2-135m"
 VARIANTS = ("h2o", "conf-kv", "conf-kv+tiers")
+KEY_ONLY_CHAIN = "full,key_only"
 SIZE, HEAD, SPAN = 1024, 384, 64
 
 
 def variant_flags(name: str, budget: float | None, tiers: str) -> list[str]:
-    """The serve flags of one row, beyond the shared ones."""
+    """The serve flags of one row, beyond the shared ones (``budget`` None: no ``--kv-budget``)."""
     if name == "full":
         return []
-    policy = {"h2o": "h2o", "conf-kv": "conf-kv", "conf-kv+tiers": "conf-kv"}[name]
-    flags = ["--kv-policy", policy, "--kv-budget", str(budget)]
-    return flags + (["--kv-tiers", tiers] if name == "conf-kv+tiers" else [])
+    policy = "h2o" if name == "h2o" else "conf-kv"
+    chain = {"conf-kv+tiers": tiers, "conf-kv+key_only": KEY_ONLY_CHAIN}.get(name)
+    flags = ["--kv-policy", policy] + ([] if budget is None else ["--kv-budget", str(budget)])
+    return flags + ([] if chain is None else ["--kv-tiers", chain])
 
 
 def texts(tokenizer: Any, count: int) -> dict[str, list[list[int]]]:
@@ -109,8 +117,9 @@ def print_table(rows: list[dict[str, Any]], full: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="comma-separated: h2o, conf-kv, conf-kv+tiers")
-    ap.add_argument("--budgets", default="0.25,0.125", help="comma-separated --kv-budget fractions")
+                    help="comma-separated: h2o, conf-kv, conf-kv+tiers, conf-kv+key_only")
+    ap.add_argument("--budgets", default="0.25,0.125",
+                    help="comma-separated --kv-budget fractions; none: no budget")
     ap.add_argument("--tiers", default="full,int4,int2", help="--kv-tiers of the conf-kv+tiers rows")
     ap.add_argument("--windows", type=int, default=2, help="1,024-token windows per text kind")
     ap.add_argument("--kv-cache-dtype", default="bfloat16", help="--kv-cache-dtype of every server")
@@ -130,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     data = load_results(out)
     base = ["--kv-cache-dtype", args.kv_cache_dtype]
     plan: list[tuple[str, float | None]] = [("full", None)]
-    plan += [(v, float(f)) for f in args.budgets.split(",") for v in args.variants.split(",")]
+    budgets = [None if f == "none" else float(f) for f in args.budgets.split(",")]
+    plan += [(v, f) for f in budgets for v in args.variants.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as logs:
         for name, f in plan:

@@ -38,6 +38,8 @@ GOOD: dict[str, dict[str, Any]] = {
     "budget": {"confkv": {"kvPolicy": "conf-kv", "budget": 0.25}},
     "budget-tokens": {"confkv": {"kvPolicy": "conf-kv", "budgetTokens": 1024}},
     "precision-tiers": {"confkv": {"kvPolicy": "conf-kv", "budget": 0.25, "tiers": ["full", "int4", "int2"]}},
+    "key-only-tiers": {"confkv": {"kvPolicy": "conf-kv", "budget": 0.25, "tiers": ["full", "key_only"]}},
+    "key-only-on-fp8-cache": {"confkv": {"kvCacheDtype": "fp8", "tiers": ["full", "key_only"]}},
     "pvc-cache": {"cacheStorage": {"type": "pvc", "claimName": "nvme"}},
     "hostpath-cache": {"cacheStorage": {"type": "hostPath", "hostPath": "/mnt/nvme"}},
     "hf": {"model": {"hfId": "Qwen/Qwen2.5-0.5B", "source": "/models/qwen", "tokenSecretRef": "hf"},
@@ -62,6 +64,8 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
                                   "high must be greater than medium"),
     "both-budgets": ({"confkv": {"budget": 0.5, "budgetTokens": 512}}, "at most one of budget"),
     "tiers-without-full": ({"confkv": {"tiers": ["int4", "int2"]}}, "tiers must start with full"),
+    "precision-tiers-on-int8-cache": ({"confkv": {"kvCacheDtype": "int8", "tiers": ["full", "int4", "int2"]}},
+                                      "holds codes already; set tiers [full, key_only]"),
     "chunk-above-budget": ({"engine": {"prefillChunk": 4096}}, "prefillChunk must be <="),
     "token-without-hf": ({"model": {"tokenSecretRef": "hf"}}, "tokenSecretRef is only used with hfId"),
     "pvc-without-claim": ({"cacheStorage": {"type": "pvc"}}, "type pvc needs claimName"),
@@ -179,3 +183,13 @@ def test_example_cr_is_valid(cr: dict[str, Any]) -> None:
     assert cr["apiVersion"] == f"{CRD['spec']['group']}/v1alpha1"
     assert _problems(copy.deepcopy(cr)) == []
     load_deployment_spec(cr.get("spec", {}))
+
+
+def test_default_tiers_on_a_coded_cache_ask_for_the_key_only_chain() -> None:
+    """The CRD defaults ``tiers`` to the precision chain, which an int8 / fp8 pool cannot hold, so an
+    fp8 CR without ``tiers`` is refused with what to set; a config file or the CLI (no defaulting
+    server in between) gets [full, key_only] there instead."""
+    spec = {"confkv": {"kvPolicy": "conf-kv", "kvCacheDtype": "fp8"}}
+    assert any("set tiers [full, key_only]" in p for p in _problems(_cr(spec)))
+    assert load_deployment_spec(spec).confkv.tiers == ["full", "key_only"]
+    assert load_deployment_spec({}).confkv.tiers == ["full", "int4", "int2"]

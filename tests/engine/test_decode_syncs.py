@@ -25,7 +25,7 @@ POLICIES = {
     "full": {"kvPolicy": "full"},
     "full+static": {"kvPolicy": "full"},  # the static-buffer decode path (CUDA graphs on CUDA)
     "full+sampled": {"kvPolicy": "full"},  # temperature, top-k, top-p and a seed: the sampling inputs
-    "conf-kv": {"kvPolicy": "conf-kv", "budget": 0.5},
+    "conf-kv": {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": ["full", "key_only"]},  # no codec work
     "conf-kv+tiers": {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": ["full", "int4", "int2"]},
 }
 

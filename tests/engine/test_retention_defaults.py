@@ -75,13 +75,29 @@ def test_per_request_budget_on_a_full_cache_engine(loaded) -> None:
     assert plain.kv_usage.tokens_discarded == 0 and plain.kv_usage.effective_kv_budget is None
 
 
+def kept_tokens(usage) -> int:
+    return (usage.tokens_full + usage.tokens_key_only + usage.tokens_int8 + usage.tokens_int4
+            + usage.tokens_k4v2 + usage.tokens_int2)
+
+
+def test_default_tiers_are_the_precision_chain(loaded) -> None:
+    eng = default_engine(loaded, budget=0.5)
+    tiers = eng.retention.defaults.tiers
+    assert tiers.precisions == ("int4", "int2") and not tiers.uses_key_only
+    assert tiers.min_window == 16  # the precision chain's own minimal window
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    usage = eng.generate([prompt(400)], params)[0].kv_usage
+    assert usage.tokens_int4 + usage.tokens_int2 > 0 and usage.tokens_key_only == 0
+
+
 def test_floor_reported_when_it_makes_the_budget_unreachable(loaded) -> None:
     eng = default_engine(loaded, budget=0.1)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     final = eng.generate([prompt(200)], params)[0]
-    # 0.1 x 200 tokens is below sinks + the 32-token minimal window: the floor is what it holds.
+    # 0.1 x 200 tokens is below sinks + the minimal window (16 tokens for the default precision chain)
+    # and a decision chunk: the floor is what it holds.
     assert final.kv_usage.effective_kv_budget > 0.15
-    assert final.kv_usage.tokens_full + final.kv_usage.tokens_key_only >= 36
+    assert kept_tokens(final.kv_usage) >= 4 + eng.retention.defaults.tiers.min_window
 
 
 def test_budget_in_tokens_scales_the_window(loaded) -> None:

@@ -33,14 +33,15 @@ pytest.importorskip("transformers")
 COMMON = [(i * 37 + 11) % 250 for i in range(40)]
 WAVES = [[COMMON + [5, 6, 7]], [COMMON + [9] * 21, [(i * 37 + 11) % 250 for i in range(150)]]]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+KEY_ONLY = ["full", "key_only"]  # the conf-kv rows below keep this chain; -tiers is the default one
 CASES = {  # name: (prefix cache, confkv section)
     "full-prefix": (True, {"kvPolicy": "full"}),
-    "conf-kv": (False, {"kvPolicy": "conf-kv", "budget": 0.5}),
+    "conf-kv": (False, {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": KEY_ONLY}),
     # Every unit ranks its slots by the mean confidence over all KV heads: a decision that needs
     # every rank's scores, and the ranks must keep exactly the same tokens.
-    "conf-kv-token": (False, {"kvPolicy": "conf-kv", "budget": 0.5}),
+    "conf-kv-token": (False, {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": KEY_ONLY}),
     # A budget above the window and the sinks: the rest of it keeps tokens for their scores.
-    "conf-kv-token-scored": (False, {"kvPolicy": "conf-kv", "budget": 0.75}),
+    "conf-kv-token-scored": (False, {"kvPolicy": "conf-kv", "budget": 0.75, "tiers": KEY_ONLY}),
     "conf-kv-tiers-prefix": (True, {"kvPolicy": "conf-kv", "budget": 0.5, "tiers": ["full", "int4", "int2"]}),
 }
 

@@ -41,6 +41,16 @@ def test_kv_cache_dtype_flag_sets_the_confkv_field() -> None:
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
 
 
+def test_kv_tiers_default_to_the_precision_chain_and_follow_a_coded_cache() -> None:
+    assert _config(["--kv-policy", "conf-kv"]).confkv.tiers == ["full", "int4", "int2"]
+    assert _config(["--kv-tiers", "full,key_only"]).confkv.tiers == ["full", "key_only"]
+    # An fp8 pool holds codes already: the default chain there is FULL / KEY_ONLY, ...
+    assert _config(["--kv-policy", "conf-kv", "--kv-cache-dtype", "fp8"]).confkv.tiers == ["full", "key_only"]
+    # ... and a precision chain asked for on it is refused with what to use instead.
+    with pytest.raises(ConfigError, match="holds codes already"):
+        _config(["--kv-cache-dtype", "int8", "--kv-tiers", "full,int4,int2"])
+
+
 def test_enforce_eager_turns_cuda_graphs_off(tmp_path: Path) -> None:
     assert _config([]).engine.cuda_graphs is True
     assert _config(["--enforce-eager"]).engine.cuda_graphs is False

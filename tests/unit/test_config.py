@@ -28,6 +28,14 @@ def test_empty_document_gets_guide_defaults() -> None:
     assert config.alerts.oom_per_hour.threshold == 3.0
 
 
+def test_default_tiers_are_the_precision_chain_unless_the_pool_holds_codes() -> None:
+    assert load_config({}).confkv.tiers == ["full", "int4", "int2"]
+    assert load_config({"confkv": {"tiers": ["full", "key_only"]}}).confkv.tiers == ["full", "key_only"]
+    for dtype in ("int8", "fp8"):  # codes cannot be re-encoded: the default chain keeps K or drops
+        assert load_config({"confkv": {"kvCacheDtype": dtype}}).confkv.tiers == ["full", "key_only"]
+    assert load_config({"confkv": {"kvCacheDtype": "bfloat16"}}).confkv.tiers == ["full", "int4", "int2"]
+
+
 def test_keys_are_camel_case_and_round_trip() -> None:
     data = {"engine": {"maxBatchSize": 8, "prefillChunk": 64}, "confkv": {"kvPolicy": "conf-kv"}}
     config = load_config(data)
@@ -50,6 +58,7 @@ def test_keys_are_camel_case_and_round_trip() -> None:
         ({"confkv": {"budget": 0.5, "budgetTokens": 512}}, "at most one"),
         ({"engine": {"prefillChunk": 4096, "maxNumBatchedTokens": 2048}}, "prefillChunk"),
         ({"confkv": {"kvCacheDtype": "int4"}}, "confkv.kvCacheDtype"),
+        ({"confkv": {"kvCacheDtype": "fp8", "tiers": ["full", "int4"]}}, "holds codes already"),
     ],
 )
 def test_bad_documents_name_the_problem(data: dict, needle: str) -> None:

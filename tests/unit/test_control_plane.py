@@ -197,9 +197,11 @@ def test_retention_settings_are_live_in_a_real_engine(tmp_path: Path) -> None:
     from tests.engine.tiny_models import make_tiny_hf_model
 
     _, model_dir = make_tiny_hf_model("llama", tmp_path / "tiny")
+    # The FULL / KEY_ONLY chain: its window may not be shorter than a prefill chunk (a precision
+    # chain's may, so the refusal below is this chain's).
     config = load_config({"engine": {"grpcSocket": str(tmp_path / "r.sock"), "prefillChunk": 64},
                           "confkv": {"kvPolicy": "conf-kv", "window": 64, "decisionInterval": 64,
-                                     "maxCacheSize": "4Mi"}})
+                                     "tiers": ["full", "key_only"], "maxCacheSize": "4Mi"}})
     engine = LLMEngine(load_model(str(model_dir), dtype=torch.float32, device="cpu"), config)
     cp = ControlPlane(config)
     cp.attach(engine, engine.stats, None, "cpu", "tiny")

@@ -199,7 +199,7 @@ def test_examples_default_like_the_model(spec_schema: dict[str, Any], example: P
 
 def test_cel_rules_cover_the_model_validators(spec_schema: dict[str, Any]) -> None:
     rules = yaml.safe_dump(spec_schema)
-    for fragment in ("self.high > self.medium", "self.k >= 1", "has(self.budgetTokens)",
+    for fragment in ("self.high > self.medium", "self.tiers.all", "self.k >= 1", "has(self.budgetTokens)",
                      "self.prefillChunk <= self.maxNumBatchedTokens", "has(self.claimName)",
                      "has(self.hostPath)", "!has(self.hostPath)", "self.model.source.startsWith",
                      "!has(self.createClaim)", "self.maxReplicas >= self.minReplicas"):
