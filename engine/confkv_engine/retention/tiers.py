@@ -153,7 +153,7 @@ class TierConfig:
     # chains' minimal one). It may be shorter than a decision interval: a token leaving it early is
     # quantized, and dropped only where the walk prices that lowest; the recent FULL tokens are a
     # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/notes/retention-journal.md;
-    # 16 first, then 8 with the quantized floor and the 16-token interval, at both budgets on both texts).
+    # 8 beat 16 with the quantized floor and the 16-token interval, which are not on by default yet).
     precision_window: int | None = 16
     # Precision chain only: the recent tokens (after the sinks) whose FULL bytes the budget's floor
     # holds where f x full is below it (early in a sequence under a per-length budget); the walk
