@@ -37,6 +37,18 @@ def windows(tokens: list[int], quick: bool, tune: bool) -> list[list[int]]:
     return [tokens[base + i * size: base + (i + 1) * size] for i in range(count)]
 
 
+def served_windows(tokens: list[int], text: str, tune: bool) -> list[list[int]]:
+    """The held-out check's protocol (``bench.quality.http_quality``) on this corpus: two 1,024-token
+    windows of ``text`` ("prose", or "repeat": passages of each window's first 384 tokens re-inserted
+    after every 64 fresh ones, ``testkit.held_out``), from the tuning tokens with ``tune``."""
+    from testkit import held_out
+
+    base = 6144 if tune else 0
+    if text == "prose":
+        return held_out.prose_windows(tokens, 2, 1024, base)
+    return held_out.repeating_windows(tokens, 2, 1024, base + 2048, 384, 64)
+
+
 def make_config(policy: str, f: float | None, args: argparse.Namespace,
                 mode: str | None = None, precisions: tuple[str, ...] = ()) -> RetentionConfig:
     decay = args.h2o_decay if policy == "h2o" else args.decay
@@ -47,7 +59,9 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     # (or re-keys) the others.
     precision = dict(precision_window_fraction=args.tier_window_fraction, precision_loss=args.tier_loss,
                      last_tier_below=args.tier_last_below, freeze_order=args.tier_freeze_order,
-                     precision_group=args.tier_group, precision_window=args.tier_window) if precisions else {}
+                     precision_group=args.tier_group, precision_window=args.tier_window,
+                     precision_floor=args.tier_floor,
+                     precision_interval=args.tier_interval) if precisions else {}
     tiers = TierConfig(high=args.high, medium=args.medium, sinks=SERVED.sinks, window=args.window,
                        window_fraction=args.window_fraction, key_share=args.key_share,
                        granularity=args.granularity if policy.startswith("conf-kv") else "head",
@@ -145,6 +159,10 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
 
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="KV retention quality: perplexity against measured KV bytes")
     ap.add_argument("--quick", action="store_true", help="one 1,024-token window, two budgets")
@@ -186,10 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "last precision tier (0: only the budget walk demotes below the first)")
     ap.add_argument("--tier-window", type=int, default=SERVED.window or TierConfig.precision_window,
                     help="conf-kv+tiers: the minimal always-FULL recent window (may be under the interval)")
+    ap.add_argument("--tier-floor", type=_optional_int, default=TierConfig.precision_floor,
+                    help="conf-kv+tiers: recent tokens whose FULL bytes the budget's floor holds "
+                         "(none: the window)")
+    ap.add_argument("--tier-interval", type=_optional_int, default=TierConfig.precision_interval,
+                    help="conf-kv+tiers: the chain's own decision interval (none: the engine's, --interval)")
     ap.add_argument("--tier-freeze-order", default=TierConfig.freeze_order,
                     help="conf-kv+tiers: staged tokens frozen into blocks by position or by confidence")
     ap.add_argument("--tier-group", type=int, default=TierConfig.precision_group,
                     help="conf-kv+tiers: the codec's value group (keys: min(group, block size))")
+    ap.add_argument("--served-text", choices=("prose", "repeat"), default=None,
+                    help="the held-out check's protocol on this corpus: two 1,024-token windows of prose or "
+                         "of repeating passages, every token scored (default: second halves of the windows)")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/quality/kv_quality[_quick|_tune].json)")
     ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",

@@ -27,6 +27,8 @@ read as peers at their own measured bytes (they have no budget: ``f`` is ``-``).
 (FULL / int4 / int2 / DISCARD, ``retention.precision``) through the same codec; ``--tier-*`` set its
 ``TierConfig`` fields (window, losses, freeze order, value group) and reach only those rows.
 ``--interval`` runs the perplexity rows at another decision interval (``confkv.decisionInterval``).
+``--served-text prose|repeat`` runs the held-out check's protocol (two 1,024-token windows, every
+token scored; ``repeat`` re-inserts passages from far back) on this corpus, for tuning with ``--tune``.
 
     python -m bench.quality.kv_quality --quick --policies full,conf-kv,conf-kv+tiers \
         --compress 4,2 --tiers int4,int2
@@ -58,6 +60,7 @@ from testkit.kv_runs import (
     make_config,
     parse_args,
     pydoc_tokens,
+    served_windows,
     windows,
 )
 
@@ -78,13 +81,15 @@ def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tu
     return f"{name}@{f}#{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 
-def measure(runner, name: str, cfg: RetentionConfig, wins: list[list[int]]) -> dict:
+def measure(runner, name: str, cfg: RetentionConfig, wins: list[list[int]], every: bool = False) -> dict:
+    """``every``: perplexity over every scored token (the held-out check's protocol), not the second
+    halves."""
     nll, peaks, means = [], [], []
     t0 = time.time()
     bits = int(name.split("kivi-int")[1]) if name.startswith("kivi-int") else None
     for w in wins:
         r = runner.run(cfg, w, bits)
-        nll.append(second_half_nll(r["logprobs"], len(w)))
+        nll.append(-r["logprobs"].double() if every else second_half_nll(r["logprobs"], len(w)))
         peaks.append(r["peak"])
         means.append(r["mean"])
     pooled = torch.cat(nll)
@@ -156,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "_quick" if args.quick else ""
     suffix += "_tune" if args.tune else ""
     suffix += "_peak" if args.budget_basis == "peak" else ""
+    suffix += f"_served_{args.served_text}" if args.served_text else ""
     out = Path(args.out) if args.out else RESULTS / f"kv_quality{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -163,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
     loaded.model.eval()
-    wins = windows(pydoc_tokens(loaded.tokenizer), args.quick, args.tune)
+    tokens = pydoc_tokens(loaded.tokenizer)
+    wins = served_windows(tokens, args.served_text, args.tune) if args.served_text else windows(
+        tokens, args.quick, args.tune)
     runner_type = EngineRunner if args.runner == "engine" else OfflineRunner
     runner = runner_type(loaded, args.kv_cache_dtype, args.interval)
     data = load_results(out)
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         key = config_key(name, f, cfg, args.quick, args.tune, args.runner, args.kv_cache_dtype, args.interval)
         if key not in data["results"]:
-            res = measure(runner, name, cfg, wins)
+            res = measure(runner, name, cfg, wins, every=bool(args.served_text))
             res.update({"f": f, "config": json.loads(json.dumps(asdict(cfg), default=str))})
             data["results"][key] = res
             data["meta"] = {"windows": [len(w) for w in wins], "chunk": args.interval, "runner": args.runner,

@@ -39,6 +39,7 @@ def run_sequence(model: LlamaForCausalLM, cache: KVCache, manager: RetentionMana
     logps: list[Tensor] = []
     run = OfflineRun(logprobs=torch.empty(0))
     start = 0
+    chunk = min(chunk, state.interval) if state is not None else chunk  # as the scheduler cuts them
     try:
         while start < len(tokens):
             n = min(chunk, len(tokens) - start)

@@ -3,6 +3,8 @@ byte accounting with staged and frozen blocks, whole-block demotion of frozen bl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -50,16 +52,25 @@ def test_default_losses_drop_a_token_before_putting_tokens_at_int2() -> None:
 
 
 def test_k4v2_sits_between_int4_and_dropping_in_the_walk() -> None:
-    # int4 30 bytes, k4v2 (int4 keys, int2 values) 25, DISCARD 0; default losses 0.02, 0.05 (then 1):
+    # int4 30 bytes, k4v2 (int4 keys, int2 values) 25, DISCARD 0; losses 0.02, 0.05 (then 1):
     # int4 -> k4v2 costs 0.03 / 5 per byte, k4v2 -> DISCARD 0.95 / 25, so a tight budget moves tokens
     # to k4v2 before it drops any.
     acct = KVAccounting(block_size=1, half_block_bytes=50, pair_bytes=((I4, 30), (K42, 25)))
-    cfg = TierConfig(sinks=1, window=2, key_only=False, precisions=("int4", "k4v2"))
+    cfg = TierConfig(sinks=1, window=2, key_only=False, precisions=("int4", "k4v2"),
+                     precision_loss=(0.002, 0.02, 0.05, 0.8))
     assert step_weights(cfg, acct) == pytest.approx([0.02 / 70, 0.03 / 5, 0.95 / 25])
     conf = [0.0, 0.95, 0.9, 0.8, 0.5, 0.0, 0.0]
-    out = decide_precision(torch.arange(7)[None], torch.full((1, 7), F, dtype=torch.int8),
-                           torch.tensor([conf]), 7, 0, cfg, acct, 300 + 105, None, 0, 0)
-    assert out[0].tolist() == [F, I4, K42, K42, K42, F, F]  # 30 + 3 x 25; without k4v2 one is dropped
+
+    def decide(tiers: TierConfig) -> list[int]:
+        return decide_precision(torch.arange(7)[None], torch.full((1, 7), F, dtype=torch.int8),
+                                torch.tensor([conf]), 7, 0, tiers, acct, 300 + 105, None, 0, 0)[0].tolist()
+
+    assert decide(cfg) == [F, I4, K42, K42, K42, F, F]  # 30 + 3 x 25; without k4v2 one is dropped
+    # The default k4v2 loss (0.15): int4 -> k4v2 0.13 / 5, k4v2 -> DISCARD 0.85 / 25 per byte: the 0.5
+    # token goes to k4v2 (0.013), then is dropped (0.017) before the 0.8 one moves (0.021).
+    default = replace(cfg, precision_loss=TierConfig.precision_loss)
+    assert step_weights(default, acct) == pytest.approx([0.02 / 70, 0.13 / 5, 0.85 / 25])
+    assert decide(default) == [F, I4, I4, I4, D, F, F]
 
 
 def test_precision_chain_has_its_own_window_fraction() -> None:
@@ -198,3 +209,39 @@ def test_chain_names_and_config_validation() -> None:
         TierConfig(key_only=False, precisions=("int4",), precision_loss=(0.1, 0.05, 0.2, 0.3))
     with pytest.raises(ValueError, match="precision_loss"):  # one per tier: int8, int4, k4v2, int2
         TierConfig(key_only=False, precisions=("int4",), precision_loss=(0.002, 0.02, 0.8))
+
+
+def test_precision_floor_holds_the_other_chains_bytes_and_keeps_early_tokens_quantized() -> None:
+    from confkv_engine.retention.policies import RetentionConfig
+    from confkv_engine.retention.runtime import RetentionState
+
+    # Blocks of 4 tokens: a FULL pair 100 bytes, int4 30, int2 20. Sink 1, window 4, the floor holds
+    # the bytes of 8 recent tokens (with the sink: 9 -> 3 blocks, 300), the minimal window's 200.
+    acct = KVAccounting(block_size=4, half_block_bytes=50, pair_bytes=((I4, 30), (I2, 20)))
+    tiers = TierConfig(sinks=1, window=4, key_only=False, precisions=("int4", "int2"), precision_window=4,
+                       precision_floor=8)
+    assert tiers.floor_tokens == 9
+    assert replace(tiers, precision_floor=None).floor_tokens == 5
+    assert replace(tiers, precision_floor=2).floor_tokens == 5  # never under sinks + window
+    assert TierConfig(sinks=4, window=32, precision_floor=48).floor_tokens == 36  # FULL chains: their own
+    state = RetentionState(cfg=RetentionConfig(policy="conf-kv", tiers=tiers, budget=0.125), acct=acct,
+                           num_layers=1, num_kv_heads=1, head_dim=4, group=1, interval=4)
+    # At 16 tokens f x full is 100 bytes: the floor binds, and no room is taken for the next interval.
+    assert state.decision_target(16, False) == 300
+    old = RetentionState(cfg=RetentionConfig(policy="conf-kv", tiers=replace(tiers, precision_floor=None),
+                                             budget=0.125), acct=acct, num_layers=1, num_kv_heads=1,
+                         head_dim=4, group=1, interval=4)
+    assert old.decision_target(16, False) == 200
+    conf = torch.tensor([[0.0] + [0.5, 0.6, 0.7, 0.8, 0.3, 0.2, 0.4, 0.1, 0.85, 0.55, 0.65] + [0.0] * 4])
+
+    def decide(target: int) -> list[int]:
+        full = torch.full((1, 16), F, dtype=torch.int8)
+        out = decide_precision(torch.arange(16)[None], full, conf, 16, 0, tiers, acct, target, 4, 0, 0)
+        return out[0].tolist()
+
+    # 300: tokens 1..11 leave the window at int4: two whole int4 blocks (60) and 3 staged beside the
+    # 5 FULL (2 pool blocks, 200): 260 fits, nothing is dropped.
+    assert decide(300) == [F] + [I4] * 11 + [F] * 4
+    # 200 (the floor of sinks + window alone): the walk drops the least confident until 3 int4 tokens
+    # are left, staged beside the FULL ones in the same 2 pool blocks.
+    assert decide(200) == [F, D, D, I4, I4, D, D, D, D, I4, D, D, F, F, F, F]

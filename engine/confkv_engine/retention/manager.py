@@ -116,6 +116,15 @@ class RetentionManager:
             raise ValueError(f"the recent window ({cfg.tiers.window}) must hold a prefill chunk "
                              f"({self.interval} tokens) when kvPolicy is {cfg.policy!r}")
 
+    def interval_for(self, cfg: RetentionConfig) -> int:
+        """Decision interval of a sequence under ``cfg``: the engine's, or a precision chain's own
+        shorter one (``TierConfig.precision_interval``, whole blocks). Its prefill chunks are cut to
+        it, so a replay after preemption decides at the same lengths."""
+        own = cfg.tiers.precision_interval
+        if not cfg.uses_precision or own is None:
+            return self.interval
+        return min(self.interval, decision_interval(self.cache.spec.block_size, own))
+
     @property
     def defaults(self) -> RetentionConfig:
         return self._defaults
@@ -154,11 +163,12 @@ class RetentionManager:
         if cfg.policy == "full" or (cfg.budget is None and cfg.budget_tokens is None):
             return None
         acct = accounting(self.cache, cfg)
-        protected = min(max_len, cfg.tiers.sinks + cfg.tiers.min_window)
+        protected = min(max_len, cfg.tiers.floor_tokens)
         target = budget_target(acct, max_len, cfg.budget, cfg.budget_tokens, protected)
         if cfg.schedule is not None:  # a scheduled budget may rise above the fixed one
             target = int(target * cfg.schedule.peak_factor)
-        chunk = acct.held_bytes(self.interval, self.interval) - acct.fixed_bytes
+        interval = self.interval_for(cfg)
+        chunk = acct.held_bytes(interval, interval) - acct.fixed_bytes
         target = max(target, acct.held_bytes(protected, protected) + chunk)
         blocks = -(-target // self.cache.spec.block_bytes)
         return blocks if blocks < self.cache.blocks_for_tokens(max_len) else None
@@ -179,13 +189,13 @@ class RetentionManager:
         """Requests under a retention policy cut their prefill chunks at decision points (multiples
         of ``interval``), so a replay after preemption decides at the same lengths; others at blocks."""
         full = seq.retention is None or seq.retention.policy == "full"
-        return self.cache.spec.block_size if full else self.interval
+        return self.cache.spec.block_size if full else self.interval_for(seq.retention)
 
     def chunk_limit(self, seq: RetainedRequest) -> int | None:
         """Requests under a retention policy prefill one decision interval at a time, so the policy
         acts after every ``interval`` tokens and the budget holds within one chunk."""
         full = seq.retention is None or seq.retention.policy == "full"
-        return None if full else self.interval
+        return None if full else self.interval_for(seq.retention)
 
     def new_state(self, cfg: RetentionConfig, shared_slots: int = 0,
                   protect: int = 0) -> RetentionState | None:
@@ -198,7 +208,8 @@ class RetentionManager:
         return RetentionState(cfg=cfg, acct=accounting(self.cache, cfg, world), shards=self.shards,
                               num_layers=spec.num_layers,
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, group=self.group,
-                              interval=self.interval, base=shared_slots, protect=max(protect, shared_slots))
+                              interval=self.interval_for(cfg), base=shared_slots,
+                              protect=max(protect, shared_slots))
 
     def prepare(self, seq: RetainedRequest) -> RetentionState | None:
         """The state of a request about to run; a fresh one when it (re)starts (first run, or replay
@@ -244,7 +255,7 @@ class RetentionManager:
         """Fold the recorded attention of every sequence of a step that reaches a decision point
         (``(kv, state, num_computed after the step)``), waiting on the device once for all of them;
         ``after_step`` then finds nothing left to score."""
-        due = [(seq, st) for seq, st, n in items if st is not None and is_decision_point(n, self.interval)]
+        due = [(seq, st) for seq, st, n in items if st is not None and is_decision_point(n, st.interval)]
         if due:
             score_batch(self.cache, due)
 
@@ -253,7 +264,7 @@ class RetentionManager:
         if state is None:
             return 0
         state.peak_bytes = max(state.peak_bytes, self.held_bytes(seq, state))
-        if is_decision_point(num_computed, self.interval):
+        if is_decision_point(num_computed, state.interval):
             score_pending(self.cache, seq, state)  # before the policy reads them (none left when
             # the engine scored the step's decisions together: score_decisions)
         new = state.decide(num_computed, self.under_pressure())

@@ -245,7 +245,7 @@ class RetentionState:
         cfg = self.cfg
         if cfg.budget_mode == "pressure" and not under_pressure:
             return budget_target(self.acct, length, None, None, 0)
-        protected = min(length, cfg.tiers.sinks + cfg.tiers.min_window)
+        protected = min(length, cfg.tiers.floor_tokens)
         return budget_target(self.acct, length, cfg.budget, cfg.budget_tokens, protected)
 
     def effective_budget(self, length: int) -> float | None:
@@ -276,7 +276,7 @@ class RetentionState:
         """A decision leaves room for the interval appended before the next one, so the sequence
         never holds more than its budget (down to the floor of sinks + minimal window): the peak
         bytes a request reports and admission reserves are the budget itself, not budget + a chunk."""
-        protected = min(length, self.cfg.tiers.sinks + self.cfg.tiers.min_window)
+        protected = min(length, self.cfg.tiers.floor_tokens)
         return max(target - self.chunk_bytes(), self.acct.held_bytes(protected, protected))
 
     def _schedules(self, under_pressure: bool) -> bool:
@@ -298,7 +298,7 @@ class RetentionState:
         cfg = self.cfg
         if cfg.schedule is None:
             return fixed
-        floor = self.acct.held_bytes(*(2 * [min(length, cfg.tiers.sinks + cfg.tiers.min_window)]))
+        floor = self.acct.held_bytes(*(2 * [min(length, cfg.tiers.floor_tokens)]))
         return self.schedule.target(cfg.schedule, fixed, floor, reference)
 
     def _select(self, length: int, target: int) -> Tensor:

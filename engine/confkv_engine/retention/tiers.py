@@ -138,8 +138,10 @@ class TierConfig:
     # trades against bytes (``precision.step_weights``); tuned on tokens [6144, 12288) against a bf16
     # cache: int2 at 0.3 made int2 cheaper per byte than dropping, so the walk put nearly every token
     # at int2 (+4.9% at f = 0.25 where 0.5-0.9 gave -0.05%; see docs/notes/retention-journal.md). k4v2
-    # (not in the default chain) sits between int4 and int2: 0.05 and 0.15 were measured, neither won.
-    precision_loss: tuple[float, float, float, float] = (0.002, 0.02, 0.05, 0.8)
+    # sits between int4 and int2: 0.15 beat 0.05 in the int4, k4v2, int2 chain (0.1-0.3 decide alike);
+    # losses measured per tier (every token at that tier, as a fraction of dropping every token: int4
+    # ~0, k4v2 0.019, int2 0.08) put most tokens at int2 and lost on prose.
+    precision_loss: tuple[float, float, float, float] = (0.002, 0.02, 0.15, 0.8)
     # Precision chain only: a token leaving the window with confidence below this goes straight to the
     # last precision tier; 0 (default): never, only the budget walk demotes past the first precision
     # tier (thresholds sending low-attention tokens to int2 with room to spare cost +1.8% at f = 0.125).
@@ -150,8 +152,23 @@ class TierConfig:
     # Precision chain only: the minimal always-FULL recent window (None: ``window``, the other
     # chains' minimal one). It may be shorter than a decision interval: a token leaving it early is
     # quantized, and dropped only where the walk prices that lowest; the recent FULL tokens are a
-    # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/notes/retention-journal.md).
+    # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/notes/retention-journal.md;
+    # 8 beat 16 with the quantized floor and the 16-token interval, which are not on by default yet).
     precision_window: int | None = 16
+    # Precision chain only: the recent tokens (after the sinks) whose FULL bytes the budget's floor
+    # holds where f x full is below it (early in a sequence under a per-length budget); the walk
+    # spends them on the FULL window and on older tokens at the precision tiers. None: the minimal
+    # window (sinks + window FULL, every older token dropped there). 48 with the 16-token interval
+    # below peaks at the FULL chains' floor (4 + 32 + 32 tokens' bytes) and won on the tuning text
+    # at both budgets (docs/notes/retention-journal.md, "A quantized floor"), with the window 8 and the
+    # interval 16; not the default yet: with them the in-place path's echo logprobs left the gathering
+    # path's by up to 6e-3 (tests/engine/test_in_place_attention.py, int8 and k4v2), unexplained.
+    precision_floor: int | None = None
+    # Precision chain only: its own decision interval (tokens; None: the engine's), capped by the
+    # engine's and rounded up to whole blocks (``RetentionManager.interval_for``): decisions twice as
+    # often leave room for half as many FULL tokens between them, at the price of prefilling a
+    # budgeted sequence in chunks of this size. 16 won on the tuning text at both budgets.
+    precision_interval: int | None = None
     # Value group of the codec (keys: min(group, block_size)); the cache compression's groupSize.
     precision_group: int = 64
     # Precision chain only: which staged tokens of a tier fill its next frozen blocks, and in what
@@ -162,6 +179,9 @@ class TierConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.medium < self.high <= 1.0:
             raise ValueError(f"need 0 <= medium < high <= 1, got medium={self.medium} high={self.high}")
+        for name in ("precision_floor", "precision_interval"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sinks < 0 or min(self.window, self.min_window) < 1:
             raise ValueError(f"sinks must be >= 0 and the windows >= 1, got {self.sinks}, {self.window}, "
                              f"{self.precision_window}")
@@ -207,6 +227,14 @@ class TierConfig:
         if self.precisions and self.precision_window is not None:
             return self.precision_window
         return self.window
+
+    @property
+    def floor_tokens(self) -> int:
+        """Tokens whose FULL bytes the budget's floor holds: the sinks and the minimal window, or for a
+        precision chain with ``precision_floor`` that many recent tokens' bytes, spent by the walk on
+        the FULL window and on older tokens at its precision tiers."""
+        extra = self.precision_floor if self.precisions and self.precision_floor is not None else 0
+        return self.sinks + max(self.min_window, extra)
 
     def effective_window(self, budget_tokens: int, block_size: int) -> int:
         """The always-FULL recent window: the minimal one, or a block-aligned share of the budget."""
