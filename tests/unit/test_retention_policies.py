@@ -63,3 +63,15 @@ def test_full_policy_keeps_everything_and_config_is_validated() -> None:
         RetentionConfig(policy="lru")
     with pytest.raises(ValueError, match="needs a budget"):
         RetentionConfig(policy="h2o")
+
+
+def test_peers_keep_their_own_window_under_the_default_precision_chain() -> None:
+    # conf-kv's default tiers are a precision chain; streaming and h2o given the same tiers (a server
+    # default, a request switching policy) keep their 32-token window and floor, not the chain's.
+    chain = TierConfig(window=32, key_only=False, precisions=("int4", "int2"))
+    for policy in ("streaming", "h2o"):
+        peer = RetentionConfig(policy=policy, tiers=chain, budget=0.25)
+        assert peer.tiers.precisions == () and not peer.uses_precision
+        assert (peer.tiers.min_window, peer.tiers.floor_tokens) == (32, 36)
+    own = RetentionConfig(policy="conf-kv", tiers=chain, budget=0.25)
+    assert own.uses_precision and own.tiers.min_window == TierConfig.precision_window

@@ -57,6 +57,10 @@ class RetentionConfig:
             raise ValueError(f"budget mode must be 'always' or 'pressure', got {self.budget_mode!r}")
         if self.policy in ("streaming", "h2o") and self.budget is None and self.budget_tokens is None:
             raise ValueError(f"kv policy {self.policy!r} needs a budget (kv_budget or kv_budget_tokens)")
+        if not self.policy.startswith("conf-kv") and self.tiers.precisions:
+            # The precision chain (conf-kv's default tiers) is conf-kv's alone: the other policies keep
+            # their own minimal window and floor (``TierConfig.min_window`` / ``floor_tokens`` read it).
+            object.__setattr__(self, "tiers", replace(self.tiers, precisions=()))
 
     @property
     def scores_attention(self) -> bool:
