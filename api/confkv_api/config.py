@@ -428,14 +428,15 @@ def dump_config(config: ConfKVConfig) -> dict[str, Any]:
 
 def with_overrides(config: ConfKVConfig, section: str, **values: Any) -> ConfKVConfig:
     """Return a copy with ``values`` (snake_case, None ignored) applied to one section, revalidated.
-    Only the section's fields that were set carry over, so a default that follows another field
-    (``ConfKVSection.tiers`` follows ``kvCacheDtype``) follows the override too."""
-    current = dump_config(config)
+    Only the fields that were set carry over (of every section: one call per section must not fix
+    the others' defaults), so a default that follows another field (``ConfKVSection.tiers`` follows
+    ``kvCacheDtype``) follows the override too."""
+    current = config.model_dump(mode="json", by_alias=True, exclude_unset=True)  # every section's set fields
     sub = getattr(config, section).model_dump(mode="json", by_alias=False, exclude_unset=True)
     sub.update({k: v for k, v in values.items() if v is not None})
     try:
         validated = type(getattr(config, section)).model_validate(sub)
     except ValidationError as err:
         raise ConfigError(f"invalid {section} settings: {_format_errors(err)}") from None
-    current[section] = validated.model_dump(mode="json", by_alias=True)
+    current[section] = validated.model_dump(mode="json", by_alias=True, exclude_unset=True)
     return load_config(current)
