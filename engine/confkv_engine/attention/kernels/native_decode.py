@@ -15,15 +15,15 @@ window. ``CONFKV_NATIVE_DECODE=0`` turns it off (the gathering path, for compari
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import math
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from confkv_engine.cache.codec.native import find_library
 
 LIBRARY = "_decode"
 SWITCH = "CONFKV_NATIVE_DECODE"
@@ -34,21 +34,16 @@ _ERRORS = {-1: "unsupported dtype", -2: "head dim above 256 or query heads not g
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(SWITCH, "1") == "0":
+    lib = find_library(Path(__file__).parent, LIBRARY, SWITCH)
+    if lib is None:
         return None
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"{LIBRARY}{suffix}"
-        if path.exists():
-            lib = ctypes.CDLL(str(path))
-            fn = lib.confkv_decode_attention
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_float, ctypes.c_int]
-            return lib
-    return None
+    fn = lib.confkv_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_float, ctypes.c_int]
+    return lib
 
 
 def available() -> bool:

@@ -38,31 +38,38 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SWITCH = "CONFKV_NATIVE_CODEC"
 
 
+def find_library(directory: Path, name: str, switch: str) -> ctypes.CDLL | None:
+    """The extension ``name`` built into ``directory``, loaded with ctypes; None when it was not built
+    or the environment variable ``switch`` is "0" (the PyTorch path, for comparisons). The engine's
+    other native libraries load through it too, each setting its own signatures."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / f"{name}{suffix}"
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    return None
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(SWITCH, "1") == "0":
+    lib = find_library(Path(__file__).parent, LIBRARY, SWITCH)
+    if lib is None:
         return None
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"{LIBRARY}{suffix}"
-        if path.exists():
-            lib = ctypes.CDLL(str(path))
-            fn = lib.confkv_dequantize
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                           *([ctypes.c_int] * 7)]
-            if not hasattr(lib, "confkv_codes_abi") or lib.confkv_codes_abi() != CODES_ABI:
-                warnings.warn(f"{path.name} was built from an older _dequant.c: rebuild it (pip install -e . "
-                              "or make setup); the codec decodes with PyTorch ops meanwhile", stacklevel=2)
-                return None
-            att = lib.confkv_codes_attention
-            att.restype = ctypes.c_int
-            blocks = [ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_void_p] * 3)]  # raw, len, off, tail, lay
-            att.argtypes = [*blocks, *blocks, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                            ctypes.c_void_p, *([ctypes.c_int] * 6), *([ctypes.c_void_p] * 3)]
-            return lib
-    return None
+    fn = lib.confkv_dequantize
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_int] * 7)]
+    if not hasattr(lib, "confkv_codes_abi") or lib.confkv_codes_abi() != CODES_ABI:
+        warnings.warn(f"{LIBRARY} was built from an older _dequant.c: rebuild it (pip install -e . "
+                      "or make setup); the codec decodes with PyTorch ops meanwhile", stacklevel=2)
+        return None
+    att = lib.confkv_codes_attention
+    att.restype = ctypes.c_int
+    blocks = [ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_void_p] * 3)]  # raw, len, off, tail, lay
+    att.argtypes = [*blocks, *blocks, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                    ctypes.c_void_p, *([ctypes.c_int] * 6), *([ctypes.c_void_p] * 3)]
+    return lib
 
 
 def available() -> bool:
