@@ -84,7 +84,9 @@ def test_default_tiers_are_the_precision_chain(loaded) -> None:
     eng = default_engine(loaded, budget=0.5)
     tiers = eng.retention.defaults.tiers
     assert tiers.precisions == ("int4", "int2") and not tiers.uses_key_only
-    assert tiers.min_window == 16  # the precision chain's own minimal window
+    assert tiers.min_window == 8  # the precision chain's own minimal window
+    # Its quantized floor: the FULL chains' floor bytes (4 + 48 + a 16-token interval = 4 + 32 + 32).
+    assert tiers.floor_tokens == 4 + 48 and eng.retention.interval_for(eng.retention.defaults) == 16
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     usage = eng.generate([prompt(400)], params)[0].kv_usage
     assert usage.tokens_int4 + usage.tokens_int2 > 0 and usage.tokens_key_only == 0
@@ -94,7 +96,7 @@ def test_floor_reported_when_it_makes_the_budget_unreachable(loaded) -> None:
     eng = default_engine(loaded, budget=0.1)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     final = eng.generate([prompt(200)], params)[0]
-    # 0.1 x 200 tokens is below sinks + the minimal window (16 tokens for the default precision chain)
+    # 0.1 x 200 tokens is below the floor (sinks + 48 tokens' bytes for the default precision chain)
     # and a decision chunk: the floor is what it holds.
     assert final.kv_usage.effective_kv_budget > 0.15
     assert kept_tokens(final.kv_usage) >= 4 + eng.retention.defaults.tiers.min_window

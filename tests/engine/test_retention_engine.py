@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from confkv_api.config import ConfKVConfig
+from confkv_engine.cache.block_pool import is_compressed
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.scheduler import AdmissionPolicy
@@ -37,6 +38,13 @@ def make_engine(loaded, blocks: int | None = None, retention: RetentionConfig | 
     return LLMEngine(loaded, cfg, retention=retention)
 
 
+def pool_blocks(cache, kv) -> int:
+    """Pool blocks a sequence's tables account for: its plain blocks, and the compressed store's arena
+    hosts for its frozen blocks (several frozen blocks share one host)."""
+    handles = sum(1 for b in kv.k_blocks + kv.v_blocks if is_compressed(b))
+    return cache.held_blocks(kv) - handles + cache.store.num_hosts
+
+
 def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 31 + salt * 7 + 3) % 250 for i in range(n)]
 
@@ -59,8 +67,9 @@ def test_budget_holds_after_every_step_and_blocks_return(loaded, policy: str) ->
             slack = acct.held_bytes(CHUNK, CHUNK) - acct.fixed_bytes
             held = ret.held_bytes(seq.kv, st)
             assert held <= max(0.25 * acct.full_bytes(seq.num_computed), floor) + slack
-            # The pool agrees: the sequence's blocks are exactly the ones in use (plus the null block).
-            assert eng.cache.pool.num_used == eng.cache.held_blocks(seq.kv) + 1
+            # The pool agrees: the sequence's blocks are exactly the ones in use (plus the null block);
+            # its frozen (compressed) blocks share the arena hosts the compressed store took from it.
+            assert eng.cache.pool.num_used == pool_blocks(eng.cache, seq.kv) + 1
     usage = outs[-1].kv_usage
     assert usage.tokens_discarded > 0 and usage.tokens_full + usage.tokens_key_only < 260
     assert 0 < usage.peak_kv_bytes < eng.cache.blocks_for_tokens(260) * eng.cache.spec.block_bytes

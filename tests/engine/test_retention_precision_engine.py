@@ -40,11 +40,11 @@ def walk_bytes(state) -> int:
 
 @pytest.mark.parametrize(("f", "changes"), [(0.5, {}), (0.5, {"freeze_order": "confidence"}),
                                            (0.5, {"precision_window": None}),
-                                           (0.45, {"precisions": ("int4", "k4v2")})])
+                                           (0.35, {"precisions": ("int4", "k4v2")})])
 def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded, f: float, changes: dict) -> None:
     # 0.5: at 0.25 of 300 tokens, after the room left for the next chunk, a unit cannot stage the 16
     # tokens a frozen block needs and the walk keeps FULL tokens only (nothing would be frozen); at 0.5
-    # every token fits at int4, so the k4v2 chain runs at 0.45. The default window (16) is under the
+    # every token fits at int4, so the k4v2 chain runs at 0.35. The default window (8) is under the
     # decision interval (CHUNK): a precision chain may run one; None is the interval's window.
     eng = make_engine(loaded, retention=tiered(f, **changes))
     eng.add_request("a", prompt(300), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

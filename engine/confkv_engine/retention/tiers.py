@@ -153,22 +153,20 @@ class TierConfig:
     # chains' minimal one). It may be shorter than a decision interval: a token leaving it early is
     # quantized, and dropped only where the walk prices that lowest; the recent FULL tokens are a
     # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/notes/retention-journal.md;
-    # 8 beat 16 with the quantized floor and the 16-token interval, which are not on by default yet).
-    precision_window: int | None = 16
+    # 16 first, then 8 with the quantized floor and the 16-token interval, at both budgets on both texts).
+    precision_window: int | None = 8
     # Precision chain only: the recent tokens (after the sinks) whose FULL bytes the budget's floor
     # holds where f x full is below it (early in a sequence under a per-length budget); the walk
     # spends them on the FULL window and on older tokens at the precision tiers. None: the minimal
     # window (sinks + window FULL, every older token dropped there). 48 with the 16-token interval
     # below peaks at the FULL chains' floor (4 + 32 + 32 tokens' bytes) and won on the tuning text
-    # at both budgets (docs/notes/retention-journal.md, "A quantized floor"), with the window 8 and the
-    # interval 16; not the default yet: with them the in-place path's echo logprobs left the gathering
-    # path's by up to 6e-3 (tests/engine/test_in_place_attention.py, int8 and k4v2), unexplained.
-    precision_floor: int | None = None
+    # at both budgets (docs/notes/retention-journal.md, "A quantized floor").
+    precision_floor: int | None = 48
     # Precision chain only: its own decision interval (tokens; None: the engine's), capped by the
     # engine's and rounded up to whole blocks (``RetentionManager.interval_for``): decisions twice as
     # often leave room for half as many FULL tokens between them, at the price of prefilling a
     # budgeted sequence in chunks of this size. 16 won on the tuning text at both budgets.
-    precision_interval: int | None = None
+    precision_interval: int | None = 16
     # Value group of the codec (keys: min(group, block_size)); the cache compression's groupSize.
     precision_group: int = 64
     # Precision chain only: which staged tokens of a tier fill its next frozen blocks, and in what
