@@ -251,7 +251,7 @@ class ConfKVSection(_Model):
     confidence_thresholds: ConfidenceThresholds = ConfidenceThresholds()
     sinks: int = Field(default=4, ge=0, le=1024)
     # The minimal always-FULL recent window; None: one decision interval (the smallest the engine
-    # can run), or 16 tokens for a precision chain (``tiers`` with int8/int4/k4v2/int2, whose window
+    # can run), or 8 tokens for a precision chain (``tiers`` with int8/int4/k4v2/int2, whose window
     # may be shorter). Under a budget the window grows to a share of it (see docs/retention.md).
     window: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     # Sequences under a retention policy prefill in chunks of at most this many tokens (rounded up to
