@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from confkv_engine.cache import kv_cache as kv_cache_module
+from confkv_engine.cache import prefix_cache as prefix_cache_module
 from confkv_engine.cache.tiered import freeze_blocks, requantize_block
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.retention import compaction, precision
@@ -129,7 +129,7 @@ def test_shared_prefix_blocks_are_never_recompressed_or_demoted(loaded, compress
     if compressed:
         # A hit with blocks to spare decodes compressed entries back (``compress.promote_entry``, its
         # own tests); here the reader must share the handles, as it does when the pool is short.
-        monkeypatch.setattr(kv_cache_module, "promote_entry", lambda cache, entry, spare: (entry, 0))
+        monkeypatch.setattr(prefix_cache_module, "promote_entry", lambda cache, entry, spare: (entry, 0))
     eng = make_engine(loaded, prefixCache={"enabled": True})
     shared = prompt(128, 5)
     eng.generate([shared + prompt(8, 6)], SamplingParams(temperature=0, max_tokens=1))  # registers it

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv_engine.cache import kv_cache as kv_cache_module
 from confkv_engine.cache import prefix as prefix_module
+from confkv_engine.cache import prefix_cache as prefix_cache_module
 from confkv_engine.cache.block_pool import NoFreeBlocks
 from confkv_engine.cache.kv_cache import CacheSpec, EvictionSink, KVCache, SeqKV
 from confkv_engine.cache.prefix import HitCounter
@@ -243,7 +243,7 @@ def test_a_hash_collision_never_serves_another_prefix(monkeypatch) -> None:
         return b"\x00" * 16  # every block of every prefix has the same key
 
     monkeypatch.setattr(prefix_module, "block_key", colliding)
-    monkeypatch.setattr(kv_cache_module, "block_key", colliding)
+    monkeypatch.setattr(prefix_cache_module, "block_key", colliding)
     cache = make_cache(20)
     first = [7, 7, 7, 7, 1, 2, 3, 4, 9]
     assert serve(cache, first) == 0

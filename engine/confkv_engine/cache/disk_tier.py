@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from confkv_engine.cache.arena import CompressedStore
+from confkv_engine.cache.compressed_store import CompressedStore
 from confkv_engine.cache.eviction import LRUK
 from confkv_engine.cache.layout import CacheSpec
 from confkv_engine.cache.prefix import CachedBlock, PrefixIndex

@@ -13,8 +13,8 @@ from typing import Protocol
 
 from torch import Tensor
 
-from confkv_engine.cache.arena import CompressedStore
 from confkv_engine.cache.block_pool import BlockPool
+from confkv_engine.cache.compressed_store import CompressedStore
 from confkv_engine.cache.eviction import LRUK
 from confkv_engine.cache.layout import CacheSpec, SeqKV
 from confkv_engine.cache.prefix import PrefixIndex
