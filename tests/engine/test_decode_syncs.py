@@ -45,12 +45,17 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[bool
         params = SamplingParams(**{"temperature": 0.0, **sampled}, max_tokens=STEPS + 2, ignore_eos=True)
         for i in range(SEQS):
             engine.add_request(f"r{i}", [5 + i] * PROMPT, params)
-        engine.step()  # the prefill
-        interval, recorded = engine.retention.interval, []
+        # The prefill: one chunk, or several under a precision chain, which prefills a budgeted
+        # sequence in chunks of its own (shorter) decision interval.
+        for _ in range(PROMPT):
+            if len(engine.step()) == SEQS:
+                break
+        interval, recorded = engine.retention.interval_for(engine.retention.defaults), []
         for k in range(STEPS):
             with SyncCounter() as counter:
                 assert len(engine.step()) == SEQS
-            recorded.append(((PROMPT + k) % interval == 0, counter))
+            # Step k computes position PROMPT + k: a decision when the length it reaches is a multiple.
+            recorded.append(((PROMPT + k + 1) % interval == 0, counter))
         out[name] = recorded
     return out
 
@@ -79,7 +84,7 @@ def test_static_decode_step_reads_back_only_the_sampled_ids(steps) -> None:
 @pytest.mark.parametrize("policy", ["conf-kv", "conf-kv+tiers"])
 def test_conf_kv_decode_step_outside_decisions_reads_back_at_most_twice(steps, policy: str) -> None:
     plain = [c for decision, c in steps[policy] if not decision]
-    assert len(plain) >= STEPS - 2
+    assert len(plain) >= STEPS - 3  # a precision chain decides every 16 tokens
     for counter in plain:
         assert _kinds(counter.syncs()) == Counter({("tolist", "core/step_io.py"): 1,
                                                    ("cpu", "attention/retention.py"): 1})
@@ -95,7 +100,9 @@ def test_decision_step_read_backs(steps, policy: str, per_sequence: int) -> None
     for counter in decisions:
         kinds = _kinds(counter.syncs())
         assert kinds[("wait", "retention/scoring.py")] == 1
-        assert len(counter.syncs()) == 3 + per_sequence * SEQS
+        # The tiers' list comes with a budget walk; under the floor (early decisions) there is none.
+        assert len(counter.syncs()) in (3, 3 + per_sequence * SEQS)
+    assert len(decisions[-1].syncs()) == 3 + per_sequence * SEQS
 
 
 def test_decision_step_reads_back_once(steps) -> None:

@@ -99,7 +99,7 @@ class Arena:
     def byte_index(self, slots: Tensor) -> Tensor:
         """Flat indices into a layer's ``[NB * host_bytes]`` bytes: [len(slots) * slot_bytes]."""
         if self._hosts_t is None or self._hosts_t.device != slots.device:
-            self._hosts_t = torch.tensor(self.hosts, dtype=torch.long, device=slots.device)
+            self._hosts_t = long_tensor(self.hosts, slots.device)
         v = (slots[:, None] * self.slot_bytes + torch.arange(self.slot_bytes, device=slots.device)).view(-1)
         return self._hosts_t[v // self.host_bytes] * self.host_bytes + v % self.host_bytes
 
@@ -138,7 +138,7 @@ class Arena:
                 tails.append(((first + 1) * self.host_bytes - v, self.hosts[last] * self.host_bytes))
                 split = True
         return SlotPieces(long_tensor(starts, device),
-                          torch.tensor(tails, dtype=torch.long, device=device) if split else None)
+                          long_tensor(tails, device) if split else None)
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,12 @@ def row_runs(rows: list[int]) -> Runs | None:
     return tuple((a, b, n) for a, b, n in runs)
 
 
-def long_tensor(values: list[int], device: torch.device) -> Tensor:
-    """int64 tensor of ``values`` on ``device`` (block ids, rows, byte offsets)."""
-    return torch.tensor(values, dtype=torch.long, device=device)
+def long_tensor(values: list, device: torch.device) -> Tensor:
+    """int64 tensor of ``values`` (block ids, rows, byte offsets; nested lists too) on ``device``: built
+    on the host and, for an accelerator, copied from pinned memory without the host waiting (a
+    ``torch.tensor(..., device=cuda)`` is a blocking copy from pageable memory in every step that
+    reads compressed blocks)."""
+    out = torch.tensor(values, dtype=torch.long)
+    if device.type == "cpu":
+        return out
+    return out.pin_memory().to(device, non_blocking=True)

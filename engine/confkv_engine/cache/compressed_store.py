@@ -98,7 +98,7 @@ class CompressedStore:
         if arena is None:
             arena = self.arenas[spec] = Arena(spec, self.host_bytes)
         slot = arena.take_slot(allocate_host)
-        self.bytes.index_copy_(1, arena.byte_index(torch.tensor([slot], device=self.bytes.device)),
+        self.bytes.index_copy_(1, arena.byte_index(long_tensor([slot], self.bytes.device)),
                                rows.to(self.bytes.device).reshape(self.num_layers, -1))
         handle, self._next = self._next, self._next - 1
         stored = 0 if positions is None else positions.numel() * positions.element_size()
@@ -166,7 +166,7 @@ class CompressedStore:
         h = self._handles.pop(handle)
         hosts = h.arena.release_slot(h.slot)
         if hosts:  # no codec bytes go back to the pool (see the module docstring)
-            index = torch.tensor(hosts, dtype=torch.long, device=self.bytes.device)
+            index = long_tensor(hosts, self.bytes.device)
             self.bytes.view(self.num_layers, -1, self.host_bytes).index_fill_(1, index, 0)
         return hosts
 
@@ -210,7 +210,7 @@ class CompressedStore:
     def plan(self, table: list[int], null_block: int, device: torch.device) -> GatherPlan:
         """Gather plan of a table; no work beyond one tensor when nothing in it is compressed."""
         if not any(is_compressed(b) for b in table):
-            return GatherPlan(torch.tensor(table, dtype=torch.long, device=device), ())
+            return GatherPlan(long_tensor(table, device), ())
         by_arena: dict[CodecSpec, tuple[list[int], list[int]]] = {}
         for row, b in enumerate(table):
             if is_compressed(b):
@@ -249,7 +249,7 @@ class CompressedStore:
     def decode_block(self, handle: int) -> Tensor:
         """All layers of one compressed block: [L, bs, Hkv, D] in the pool's dtype."""
         h = self._handles[handle]
-        index = h.arena.byte_index(torch.tensor([h.slot], device=self.bytes.device))
+        index = h.arena.byte_index(long_tensor([h.slot], self.bytes.device))
         raw = self.bytes[:, index]  # [L, slot_bytes]
         return to_storage(decode_rows(raw, h.arena.spec), self.dtype)
 

@@ -50,6 +50,7 @@ def unpack6(packed: Tensor, n: int) -> Tensor:
     """Inverse of ``pack6``: uint8 [..., 3k] -> the first ``n`` codes [..., n]."""
     b = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, 3)
     word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16
-    shifts = torch.tensor([0, 6, 12, 18], dtype=torch.int32, device=packed.device)
+    # Made on the device (no host-to-device copy while decoding a frozen block): 0, 6, 12, 18.
+    shifts = torch.arange(0, 24, 6, dtype=torch.int32, device=packed.device)
     codes = (word.unsqueeze(-1) >> shifts) & SIX_BITS
     return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
