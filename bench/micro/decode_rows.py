@@ -1,0 +1,126 @@
+"""Decode step time of the real engine at a few batch sizes, this tree against another, interleaved.
+
+Each worker process loads the model (``--weights``, default ``auto``), queues ``B`` greedy requests of
+``--prompt`` random tokens, prefills them, takes warm-up steps and times ``--steps`` decode steps (median
+wall ms per step) for every ``--batches`` B. With ``--against DIR`` (a checkout of another revision, its
+native libraries built) the same worker runs on DIR's sources as well, the two alternating for
+``--rounds`` rounds so that outside load hits both alike; the table gives each round's medians and the
+ratio of the medians over the rounds (new / base). Only ratios within one run mean anything on a
+shared machine.
+
+    python -m bench.micro.decode_rows --model builtin:smollm2-135m --batches 1,32 --against /tmp/base
+    python -m bench.micro.decode_rows --model builtin:gemma3-270m --threads 2 --rounds 3 --against ../old
+
+``--out NAME`` writes ``bench/results/micro/NAME`` (labels, no paths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OUT_DIR = Path(__file__).resolve().parents[1] / "results" / "micro"
+SOURCE_DIRS = ("", "api", "engine", "agent", "operator")
+
+
+def worker(args: argparse.Namespace) -> dict[str, float]:
+    import torch
+
+    from confkv_api.config import ConfKVConfig
+    from confkv_engine.core.engine import LLMEngine
+    from confkv_engine.core.sampling_params import SamplingParams
+    from confkv_engine.model.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine(load_model(args.model, torch.float32, "cpu", weights=args.weights), ConfKVConfig())
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        greedy = SamplingParams(max_tokens=args.steps + args.warmup + 8, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            prompt = torch.randint(100, engine.vocab_size, (args.prompt,), generator=gen).tolist()
+            engine.add_request(f"b{batch}-{i}", prompt, greedy)
+        while any(s.num_computed < s.prompt_len for s in engine._seqs.values()):  # prefill
+            engine.step()
+        for _ in range(args.warmup):
+            engine.step()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - start) * 1e3)
+        out[f"decode@{batch}"] = statistics.median(times)
+        for i in range(batch):
+            engine.abort_request(f"b{batch}-{i}")
+        engine.step()
+    return out
+
+
+def run_worker(tree: Path, argv: list[str]) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(tree / d) for d in SOURCE_DIRS))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", *argv], env=env,
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interleaved(trees: dict[str, Path], argv: list[str], rounds: int) -> dict[str, list[dict[str, float]]]:
+    """Every tree's worker once per round, the order reversed every other round."""
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    for r in range(rounds):
+        for name, tree in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
+            runs[name].append(run_worker(tree, argv))
+            cells = ", ".join(f"{k} {v:.2f} ms" for k, v in runs[name][-1].items())
+            print(f"round {r + 1} {name}: {cells}", flush=True)
+    return runs
+
+
+def report(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    medians = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
+    new, base = medians["new"], medians.get("base")
+    for key in new:
+        line = f"{key}: new {new[key]:.2f} ms"
+        if base is not None:
+            line += f", base {base[key]:.2f} ms, new/base {new[key] / base[key]:.3f}"
+        print(line)
+    return medians
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="builtin:smollm2-135m")
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--against", type=Path, help="another checkout to time alternately (the base)")
+    p.add_argument("--out", help="file name under bench/results/micro")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    forwarded = ("model", "weights", "threads", "batches", "prompt", "steps", "warmup")
+    passed = [f"--{k}={getattr(args, k)}" for k in forwarded]
+    trees = {"new": Path(__file__).resolve().parents[2]}
+    if args.against:
+        trees["base"] = args.against.resolve()
+    runs = interleaved(trees, passed, args.rounds)
+    medians = report(runs)
+    if args.out:
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        meta = {k: getattr(args, k) for k in ("model", "weights", "threads", "prompt", "steps", "rounds")}
+        (OUT_DIR / args.out).write_text(json.dumps({**meta, "runs": runs, "medians": medians}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
