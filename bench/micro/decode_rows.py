@@ -81,12 +81,17 @@ def interleaved(trees: dict[str, Path], argv: list[str], rounds: int) -> dict[st
 
 
 def report(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Medians over the rounds, and the median of the rounds' own ratios (each round's two workers ran
+    back to back, so a ratio within a round is the least exposed to the machine's drift)."""
     medians = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
     new, base = medians["new"], medians.get("base")
     for key in new:
         line = f"{key}: new {new[key]:.2f} ms"
         if base is not None:
-            line += f", base {base[key]:.2f} ms, new/base {new[key] / base[key]:.3f}"
+            pairs = zip(runs["new"], runs["base"], strict=True)
+            paired = statistics.median(n[key] / b[key] for n, b in pairs)
+            medians.setdefault("paired_ratio", {})[key] = paired
+            line += f", base {base[key]:.2f} ms, new/base {new[key] / base[key]:.3f} (per round {paired:.3f})"
         print(line)
     return medians
 

@@ -52,9 +52,12 @@ def available() -> bool:
 
 def _fits(*tensors: Tensor) -> bool:
     dtype = tensors[0].dtype
-    return dtype in _DTYPES and all(
-        t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
-        for t in tensors)
+    if dtype not in _DTYPES:
+        return False
+    for t in tensors:  # (a loop, not all(genexpr): this runs several times per layer and step)
+        if t.dtype != dtype or not t.is_cpu or not t.is_contiguous() or t.requires_grad:
+            return False
+    return True
 
 
 def _ptr(t: Tensor | None) -> int | None:
