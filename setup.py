@@ -1,5 +1,6 @@
 """The native part of the build: the codec's block decoder (``cache/codec/_dequant.c``) and the
-int4-weight matmul for CPUs (``model/_q4matmul.c``, its SIMD body in ``model/q4_simd.h``) and
+int4-weight matmul for CPUs (``model/_q4matmul.c``, its SIMD body in ``model/q4_simd.h``; the same
+library holds the layers' row-wise blocks, ``model/_rowops.c``) and
 the decode attention read from the paged pool (``attention/kernels/_decode.c``).
 
 Everything else is declared in pyproject.toml. The library is plain C with a C ABI (no Python or

@@ -11,6 +11,12 @@ shared machine.
     python -m bench.micro.decode_rows --model builtin:smollm2-135m --batches 1,32 --against /tmp/base
     python -m bench.micro.decode_rows --model builtin:gemma3-270m --threads 2 --rounds 3 --against ../old
 
+``--blocks`` measures one change inside one process instead: the layers' native row-wise blocks
+(``model.rowops``) against the PyTorch reference functions, alternating ``--rounds`` times per batch
+(no second checkout, no process-to-process drift).
+
+    python -m bench.micro.decode_rows --model builtin:gemma3-270m --blocks --rounds 6 --steps 15
+
 ``--out NAME`` writes ``bench/results/micro/NAME`` (labels, no paths).
 """
 
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "results" / "micro"
 SOURCE_DIRS = ("", "api", "engine", "agent", "operator")
@@ -50,16 +57,46 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
             engine.step()
         for _ in range(args.warmup):
             engine.step()
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            engine.step()
-            times.append((time.perf_counter() - start) * 1e3)
-        out[f"decode@{batch}"] = statistics.median(times)
+        if args.blocks:
+            out.update(blocks_ab(engine, batch, args.steps, args.rounds))
+        else:
+            out[f"decode@{batch}"] = timed(engine, args.steps)
         for i in range(batch):
             engine.abort_request(f"b{batch}-{i}")
         engine.step()
     return out
+
+
+def timed(engine: Any, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def blocks_ab(engine: Any, batch: int, steps: int, rounds: int) -> dict[str, float]:
+    """In one process: the layers' native row-wise blocks (``model.rowops``) against the PyTorch
+    reference functions (set as the model's ``ops``, which every native call site defers to),
+    alternating ``rounds`` times; medians of the rounds' medians and of the per-round ratios."""
+    from confkv_engine.model import llama
+
+    ops = engine.model.ops
+    runs: dict[str, list[float]] = {"native": [], "reference": []}
+    for r in range(rounds):
+        for mode in (("native", "reference") if r % 2 == 0 else ("reference", "native")):
+            native = mode == "native"
+            ops.norm = None if native else llama.rms_norm
+            ops.rope = None if native else llama.apply_rope
+            ops.act = None if native else llama.silu_mul
+            engine.step()
+            runs[mode].append(timed(engine, steps))
+    ops.norm = ops.rope = ops.act = None
+    ratios = [n / r for n, r in zip(runs["native"], runs["reference"], strict=True)]
+    return {f"decode@{batch} native": statistics.median(runs["native"]),
+            f"decode@{batch} reference": statistics.median(runs["reference"]),
+            f"decode@{batch} native/reference": statistics.median(ratios)}
 
 
 def run_worker(tree: Path, argv: list[str]) -> dict[str, float]:
@@ -108,8 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--against", type=Path, help="another checkout to time alternately (the base)")
     p.add_argument("--out", help="file name under bench/results/micro")
+    p.add_argument("--blocks", action="store_true",
+                   help="one process: native row-wise blocks against the PyTorch reference, alternating")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.blocks:
+        results = worker(args)
+        print("\n".join(f"{k}: {v:.3f}" for k, v in results.items()))
+        if args.out:
+            OUT_DIR.mkdir(parents=True, exist_ok=True)
+            meta = {k: getattr(args, k) for k in ("model", "weights", "threads", "prompt", "steps", "rounds")}
+            (OUT_DIR / args.out).write_text(json.dumps({**meta, "blocks": results}, indent=2))
+        return 0
     if args.worker:
         print(json.dumps(worker(args)))
         return 0

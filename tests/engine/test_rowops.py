@@ -68,7 +68,7 @@ def test_qk_rope_matches_reference(dtype: torch.dtype, rows: int, qk_norm: bool,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_activations_match_reference(dtype: torch.dtype) -> None:
-    gate_up = _rand(5, 2 * 1536, dtype=dtype, seed=7, scale=3.0)
+    gate_up = _rand(rowops.ACT_MAX_ROWS, 2 * 1536, dtype=dtype, seed=7, scale=3.0)
     _close(rowops.gated_act(gate_up, "silu"), llama.silu_mul(*gate_up.chunk(2, -1)))
     got, ref = rowops.gated_act(gate_up, "gelu_pytorch_tanh"), llama.gelu_tanh_mul(*gate_up.chunk(2, -1))
     _close(got, ref, share=0.02)
@@ -81,6 +81,7 @@ def test_declines_what_it_does_not_serve() -> None:
     assert rowops.rms_norm(x.t().contiguous().t(), torch.ones(2), 1e-5) is None  # not contiguous
     assert rowops.rms_norm(x.requires_grad_(), w, 1e-5) is None  # autograd
     assert rowops.gated_act(torch.randn(2, 8), "relu") is None
+    assert rowops.gated_act(torch.randn(rowops.ACT_MAX_ROWS + 1, 8), "silu") is None  # PyTorch's, vectorised
 
 
 def _fused(model: LlamaForCausalLM) -> LlamaForCausalLM:

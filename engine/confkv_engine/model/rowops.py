@@ -24,6 +24,10 @@ from torch import Tensor
 from confkv_engine.model.q4native import LIBRARY, find_library
 
 SWITCH = "CONFKV_NATIVE_ROWOPS"
+# The gated activation calls scalar expf / tanhf per element where PyTorch's kernels are vectorised:
+# it wins on dispatch at a row or two and loses above (prefill@512 of SmolLM2: norm/rope/act 61 -> 95
+# ms per step with it at every row count, bench/micro/profile_step.py), so more rows take PyTorch's.
+ACT_MAX_ROWS = 2
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -112,12 +116,14 @@ def qk_rope_(qkv: Tensor, heads: int, nq: int, cos: Tensor, sin: Tensor, norm_we
 
 
 def gated_act(gate_up: Tensor, act: str) -> Tensor | None:
-    """``act(gate) * up`` for ``gate_up`` [..., 2 I] whose halves are gate and up, or None."""
+    """``act(gate) * up`` for ``gate_up`` [..., 2 I] whose halves are gate and up, or None (also above
+    ``ACT_MAX_ROWS`` rows)."""
     lib = _library()
-    if lib is None or act not in ACTS or not _fits(gate_up):
-        return None
     inter = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // max(1, 2 * inter)
+    if lib is None or act not in ACTS or rows > ACT_MAX_ROWS or not _fits(gate_up):
+        return None
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-    rc = lib.confkv_gated_act(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
-                              ACTS[act], _DTYPES[gate_up.dtype], torch.get_num_threads())
+    rc = lib.confkv_gated_act(gate_up.data_ptr(), out.data_ptr(), rows, inter, ACTS[act],
+                              _DTYPES[gate_up.dtype], torch.get_num_threads())
     return None if rc else out
