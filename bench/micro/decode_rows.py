@@ -49,7 +49,8 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     out = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        greedy = SamplingParams(max_tokens=args.steps + args.warmup + 8, temperature=0.0, ignore_eos=True)
+        timed_steps = args.steps * (2 * args.rounds if args.blocks else 1) + 2 * args.rounds
+        greedy = SamplingParams(max_tokens=timed_steps + args.warmup + 8, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             prompt = torch.randint(100, engine.vocab_size, (args.prompt,), generator=gen).tolist()
             engine.add_request(f"b{batch}-{i}", prompt, greedy)
