@@ -26,12 +26,10 @@ setup(ext_modules=[
     ),
     # No -march: the AVX2 and AVX-512 VNNI paths carry their own target options and are chosen at
     # run time, so one build runs on any x86-64 CPU (and the scalar path anywhere else). The same
-    # library holds the layers' row-wise blocks (_rowops.c: RMSNorm, RoPE, gated activation) and the
-    # int8 weight-only matmul for a few rows (_i8matmul.c, its dot product cloned per ISA).
+    # library holds the layers' row-wise blocks (_rowops.c: RMSNorm, RoPE, gated activation).
     Extension(
         "confkv_engine.model._q4matmul",
-        sources=["engine/confkv_engine/model/_q4matmul.c", "engine/confkv_engine/model/_rowops.c",
-                 "engine/confkv_engine/model/_i8matmul.c"],
+        sources=["engine/confkv_engine/model/_q4matmul.c", "engine/confkv_engine/model/_rowops.c"],
         depends=["engine/confkv_engine/model/q4_simd.h"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,

@@ -133,29 +133,3 @@ def test_without_library_torch_kernels_serve(monkeypatch: pytest.MonkeyPatch) ->
     assert "q4n" not in kernels.candidates("int4")
     table = kernels.derive_table([("int4", 48, 64)], AVX2)
     assert "q4n" not in table.choices[kernels.KernelTable.key("int4", 48, 64)]
-
-
-needs_i8 = pytest.mark.skipif(not q4native.i8_available(), reason="native int8 kernel not built")
-
-
-@needs_i8
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4])
-def test_native_int8_matches_pytorch_kernel(dtype: torch.dtype, rows: int) -> None:
-    """The same maths as ``_weight_int8pack_mm`` (fp32 sums times the row scale), sums in another
-    order: fp32 within a few ulps of the output's scale, bf16 on at most one bf16 step of few elements.
-    1,027 output rows: the four-row blocks and the remainder."""
-    from confkv_engine.model.quant import quantize_int8
-
-    gen = torch.Generator().manual_seed(rows)
-    w = quantize_int8(torch.randn(1027, 640, generator=gen) * 0.05)
-    x = torch.randn(rows, 640, generator=gen).to(dtype)
-    scale = w.scale.to(dtype)
-    ref = torch.ops.aten._weight_int8pack_mm(x, w.q.contiguous(), scale)
-    got = q4native.i8_matmul(x, w.q.contiguous(), scale.float().contiguous())
-    assert got is not None and got.dtype == dtype and got.shape == ref.shape
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    else:
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-6)
-        assert (got != ref).float().mean().item() < 0.01

@@ -139,24 +139,12 @@ def q4n_kernel(weight: Int4Weight, bias: Tensor | None, dtype: torch.dtype) -> K
     return run
 
 
-# The native int8 kernel serves up to this many rows (its time grows with the rows; the plan sends
-# int8 weights to dense bf16 above 4 rows anyway).
-NATIVE_INT8_ROWS = 4
-
-
 def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
-    """PyTorch's int8 weight-only kernel, or at up to ``NATIVE_INT8_ROWS`` rows the native one
-    (``q4native.i8_matmul``: the same maths at the memory bandwidth, with the scales as they are
-    in ``dtype``, widened to fp32)."""
     q, scale = weight.q.contiguous(), weight.scale.to(dtype)
-    scale32 = scale.float().contiguous()
     b = None if bias is None else bias.to(dtype)
-    native = q4native.i8_available()
 
     def run(x: Tensor) -> Tensor:
-        y = q4native.i8_matmul(x, q, scale32) if native and x.shape[0] <= NATIVE_INT8_ROWS else None
-        if y is None:
-            y = torch.ops.aten._weight_int8pack_mm(x, q, scale)
+        y = torch.ops.aten._weight_int8pack_mm(x, q, scale)
         return y if b is None else y + b
     return run
 

@@ -128,38 +128,3 @@ def matmul(x: Tensor, w: PackedInt4, isa: str, threads: int | None = None) -> Te
     if rc:
         raise RuntimeError(f"native int4 matmul ({isa}): {_ERRORS.get(rc, rc)}")
     return y
-
-
-# ---------------------------------------------------------------- int8 weights (``_i8matmul.c``)
-
-I8_SWITCH = "CONFKV_NATIVE_Q8"
-
-
-@cache
-def _i8_library() -> ctypes.CDLL | None:
-    lib = find_library(Path(__file__).parent, LIBRARY, I8_SWITCH)
-    if lib is None or not hasattr(lib, "confkv_i8_matmul"):
-        return None  # (built from sources before the int8 kernel: PyTorch's serves)
-    fn = lib.confkv_i8_matmul
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    return lib
-
-
-def i8_available() -> bool:
-    """Whether the native int8 weight-only kernel was built and loads here."""
-    return _i8_library() is not None
-
-
-def i8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor | None:
-    """``x [rows, K]`` (fp32 / bf16) times int8 ``q [N, K]`` transposed, times fp32 ``scale [N]``, in
-    ``x``'s dtype; None where the library is absent or the tensors do not fit (the caller's kernel)."""
-    lib = _i8_library()
-    if lib is None or x.dim() != 2 or x.dtype not in _DTYPES or not x.is_cpu or x.requires_grad:
-        return None
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
-    rc = lib.confkv_i8_matmul(x.data_ptr(), _DTYPES[x.dtype], x.shape[0], x.shape[1], q.data_ptr(),
-                              scale.data_ptr(), q.shape[0], y.data_ptr(), torch.get_num_threads())
-    return None if rc else y
