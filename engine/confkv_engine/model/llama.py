@@ -13,6 +13,11 @@ checkpoint's config into them):
 - a sliding-window layer hands its window to the backend (``attend(..., window=W)``): the token at
   position p sees the keys at positions p - W + 1 .. p, as transformers masks them.
 
+The elementwise blocks (RMSNorm, the residual add with the next norm, q/k norms with RoPE, the gated
+activation) run as one native call each where ``model.rowops`` serves them (CPU, fp32 / bf16, its
+library built, no ``Elementwise`` override set), else as the PyTorch functions below, which remain
+the reference.
+
 The model owns no KV cache: every attention layer hands its post-RoPE q/k/v for the step's new
 tokens to an ``AttentionBackend`` (the paged cache in serving, a dense reference in tests), which
 stores k/v and returns the attention output. That keeps eviction policy entirely outside the model.
