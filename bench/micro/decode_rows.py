@@ -8,8 +8,8 @@ native libraries built) the same worker runs on DIR's sources as well, the two a
 ratio of the medians over the rounds (new / base). Only ratios within one run mean anything on a
 shared machine.
 
-    python -m bench.micro.decode_rows --model builtin:smollm2-135m --batches 1,32 --against /tmp/base
-    python -m bench.micro.decode_rows --model builtin:gemma3-270m --threads 2 --rounds 3 --against ../old
+    python -m bench.micro.decode_rows --model builtin:smollm2-135m --batches 1,32 --against BASE_DIR
+    python -m bench.micro.decode_rows --model builtin:gemma3-270m --threads 2 --rounds 3 --against BASE_DIR
 
 ``--blocks`` measures one change inside one process instead: the layers' native row-wise blocks
 (``model.rowops``) against the PyTorch reference functions, alternating ``--rounds`` times per batch
