@@ -44,7 +44,7 @@ from confkv_api.config import ConfKVConfig, with_overrides
 from confkv_engine.core import engine as engine_module
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.sampling_params import SamplingParams
-from confkv_engine.model import llama
+from confkv_engine.model import llama, rowops
 from confkv_engine.model.loader import load_model
 
 CATEGORIES = ("matmul", "lm head", "attention", "step metadata", "norm/rope/act", "model other", "sampling",
@@ -106,6 +106,8 @@ def labelled(engine: LLMEngine) -> Iterator[None]:
         stack.enter_context(patched(llama, "apply_rope", "norm/rope/act"))
         stack.enter_context(patched(llama, "rms_norm", "norm/rope/act"))  # q/k heads' norm (fused qkv)
         stack.enter_context(patched(llama.MLP, "forward", "norm/rope/act"))
+        for name in ("rms_norm", "add_rms_norm", "qk_rope_", "gated_act"):  # the native row-wise blocks
+            stack.enter_context(patched(rowops, name, "norm/rope/act"))
         stack.enter_context(patched(llama.LlamaForCausalLM, "forward", "model other"))
         stack.enter_context(patched(engine_module, "sample_step", "sampling"))
         yield

@@ -13,6 +13,11 @@ checkpoint's config into them):
 - a sliding-window layer hands its window to the backend (``attend(..., window=W)``): the token at
   position p sees the keys at positions p - W + 1 .. p, as transformers masks them.
 
+The elementwise blocks (RMSNorm, the residual add with the next norm, q/k norms with RoPE, the gated
+activation) run as one native call each where ``model.rowops`` serves them (CPU, fp32 / bf16, its
+library built, no ``Elementwise`` override set), else as the PyTorch functions below, which remain
+the reference.
+
 The model owns no KV cache: every attention layer hands its post-RoPE q/k/v for the step's new
 tokens to an ``AttentionBackend`` (the paged cache in serving, a dense reference in tests), which
 stores k/v and returns the attention output. That keeps eviction policy entirely outside the model.
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from confkv_engine.model import rowops
 from confkv_engine.model.rope import llama3_inv_freq, rope_frequencies
 
 __all__ = ["ModelArgs", "AttentionBackend", "LlamaForCausalLM", "DenseAttention", "dense_causal_attention",
@@ -158,6 +164,10 @@ class RMSNorm(nn.Module):
         self.ops = ops or Elementwise()
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.ops.norm is None:
+            out = rowops.rms_norm(x, self.weight, self.eps)  # one native call, else the reference
+            if out is not None:
+                return out
         return (self.ops.norm or rms_norm)(x, self.weight, self.eps)
 
 
@@ -194,27 +204,35 @@ class Attention(nn.Module):
             self.qk_norm_weight = stacked
 
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Post-RoPE q [T, Hq, D], k/v [T, Hkv, D]."""
+        """Post-RoPE q [T, Hq, D] (times ``q_scale``), k/v [T, Hkv, D]."""
         t = x.shape[0]
         rope = self.ops.rope or apply_rope
         if self.qkv_proj is not None:  # q and k heads are adjacent: normed and rotated in one call
             qkv = self.qkv_proj(x).view(t, self.nq + 2 * self.nkv, self.d)
-            qk, v = qkv[:, : self.nq + self.nkv], qkv[:, self.nq + self.nkv :]
+            heads = self.nq + self.nkv
+            qk, v = qkv[:, :heads], qkv[:, heads:]
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            # Native: norm, rotation and query scale in place on the projection's fresh output.
+            native = self.ops.norm is None and self.ops.rope is None
+            if native and rowops.qk_rope_(qkv, heads, self.nq, cos, sin, self.qk_norm_weight, eps,
+                                          self.q_scale):
+                return qkv[:, : self.nq], qkv[:, self.nq : heads], v
             if self.q_norm is not None and self.qk_norm_weight is not None:
-                qk = (self.ops.norm or rms_norm)(qk, self.qk_norm_weight, self.q_norm.eps)
+                qk = (self.ops.norm or rms_norm)(qk, self.qk_norm_weight, eps)
             qk = rope(qk, cos, sin)
-            return qk[:, : self.nq], qk[:, self.nq :], v
+            return self._scaled(qk[:, : self.nq]), qk[:, self.nq :], v
         q = self.q_proj(x).view(t, self.nq, self.d)
         k = self.k_proj(x).view(t, self.nkv, self.d)
         v = self.v_proj(x).view(t, self.nkv, self.d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        return self._scaled(rope(q, cos, sin)), rope(k, cos, sin), v
+
+    def _scaled(self, q: Tensor) -> Tensor:
+        return q * self.q_scale if self.q_scale != 1.0 else q
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
         q, k, v = self._qkv(x, cos, sin)
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
         if self.window is None:
             out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
         else:
@@ -228,6 +246,7 @@ class MLP(nn.Module):
         self.ops = ops or Elementwise()
         # ``ops.act`` (possibly compiled) is SiLU's; other activations keep their own function.
         self.act = None if args.hidden_act == "silu" else _GATED_ACTS[args.hidden_act]
+        self.act_name = args.hidden_act
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
@@ -240,8 +259,9 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         act = self.act or self.ops.act or silu_mul
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(act(gate, up))
+            gate_up = self.gate_up_proj(x)
+            gated = rowops.gated_act(gate_up, self.act_name) if self.ops.act is None else None
+            return self.down_proj(act(*gate_up.chunk(2, dim=-1)) if gated is None else gated)
         return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -258,11 +278,27 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(h, eps, ops) if args.sandwich_norms else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
-        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, backend))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        pre, post = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        if pre is None or post is None:  # Llama: x + attn, then its norm, in one native call
+            fused = self._add_norm(x, attn, self.post_attention_layernorm)
+            x, h = fused or (x + attn, None)
+            return x + self.mlp(h if h is not None else self.post_attention_layernorm(x))
+        # Gemma: x + post-norm(attn), then the pre-feedforward norm; x + post-norm(mlp) at the end.
+        fused = self._add_norm(x, attn, pre, self.post_attention_layernorm)
+        x, h = fused or (x + self.post_attention_layernorm(attn), None)
+        mlp = self.mlp(h if h is not None else pre(x))
+        fused = self._add_norm(x, mlp, None, post)
+        return fused[0] if fused else x + post(mlp)
+
+    def _add_norm(self, x: Tensor, y: Tensor, norm: RMSNorm | None,
+                  y_norm: RMSNorm | None = None) -> tuple[Tensor, Tensor | None] | None:
+        """``rowops.add_rms_norm`` with the layer's norms, None where the reference must run."""
+        if self.input_layernorm.ops.norm is not None:
+            return None
+        eps = self.input_layernorm.eps
+        return rowops.add_rms_norm(x, y, None if norm is None else norm.weight, eps,
+                                   None if y_norm is None else y_norm.weight)
 
 
 class LlamaForCausalLM(nn.Module):

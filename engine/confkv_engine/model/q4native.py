@@ -36,23 +36,31 @@ _ERRORS = {-1: "the CPU lacks the instruction set asked for", -2: "in_features i
            -3: "out of memory for the quantized activations"}
 
 
+def find_library(directory: Path, name: str, switch: str) -> ctypes.CDLL | None:
+    """The extension ``name`` built into ``directory``, loaded with ctypes; None when it was not built
+    or the environment variable ``switch`` is "0". (``cache.codec.native`` has its own: the layering
+    keeps model below the codec.)"""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / f"{name}{suffix}"
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    return None
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(SWITCH, "1") == "0":
+    lib = find_library(Path(__file__).parent, LIBRARY, SWITCH)
+    if lib is None:
         return None
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"{LIBRARY}{suffix}"
-        if path.exists():
-            lib = ctypes.CDLL(str(path))
-            fn = lib.confkv_q4_matmul
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                           ctypes.c_int, ctypes.c_int]
-            lib.confkv_q4_supported.restype = ctypes.c_int
-            return lib
-    return None
+    fn = lib.confkv_q4_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int]
+    lib.confkv_q4_supported.restype = ctypes.c_int
+    return lib
 
 
 def available() -> bool:
