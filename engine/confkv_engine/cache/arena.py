@@ -29,11 +29,19 @@ import torch
 from torch import Tensor
 
 from confkv_engine.cache.codec.group_quant import Runs
-from confkv_engine.cache.codec.spec import CodecSpec
+from confkv_engine.cache.codec.spec import KEY_SHRINK, VALUE_SHRINK, CodecSpec
+
+# The int2 range fit (``codec.spec.KEY_SHRINK``, ``VALUE_SHRINK``) in the precision tiers' codecs
+# (``tiered.tier_codecs``): off. Cold-block compression takes it (``compress``): it more than halves
+# KIVI-int2's perplexity increase on the tuning windows, but in the precision chain it did not win
+# all four tuning cells and made the k4v2 chain worse on prose (docs/notes/retention-journal.md, "A
+# range fit for int2"); with it, two path-parity tests (in-place vs gathering echo for k4v2, codes vs
+# decoded bf16 attention) also exceed their tolerances by 20%.
+RANGE_FIT = False
 
 
-def block_codecs(block_size: int, num_kv_heads: int, head_dim: int, bits: int,
-                 group: int, element_bytes: int = 2) -> tuple[CodecSpec, CodecSpec]:
+def block_codecs(block_size: int, num_kv_heads: int, head_dim: int, bits: int, group: int,
+                 element_bytes: int = 2, range_fit: bool = RANGE_FIT) -> tuple[CodecSpec, CodecSpec]:
     """Per-layer codec specs (keys, values) for ``[block_size, Hkv, D]`` blocks of a pool storing
     ``element_bytes`` per element.
 
@@ -42,6 +50,7 @@ def block_codecs(block_size: int, num_kv_heads: int, head_dim: int, bits: int,
     than one block's tokens, so keys use ``min(group, block_size)``. Key parameters are fp16 in an
     fp32 pool (0.31x / 0.19x of its block at int8 / int4 already, and the most accurate) and dq6 in a
     16-bit or smaller one, where fp16 parameters would hold 0.63x / 0.38x of a bf16 block.
+    ``range_fit``: int2 groups take the least-error shrunk range (``codec.group_quant``), else min/max.
     """
     shape = (block_size, num_kv_heads, head_dim)
     if head_dim % min(group, head_dim):
@@ -52,8 +61,9 @@ def block_codecs(block_size: int, num_kv_heads: int, head_dim: int, bits: int,
         raise ValueError(f"compression groupSize {group} must divide the block size {block_size} "
                          f"(or be at least {block_size})")
     key_params = "fp16" if element_bytes >= 4 else "dq6"
-    return (CodecSpec(shape, bits, axis=0, group=k_group, params=key_params),
-            CodecSpec(shape, bits, axis=-1, group=min(group, head_dim)))
+    k_shrink, v_shrink = (KEY_SHRINK, VALUE_SHRINK) if range_fit else (1.0, 1.0)
+    return (CodecSpec(shape, bits, axis=0, group=k_group, params=key_params, shrink=k_shrink),
+            CodecSpec(shape, bits, axis=-1, group=min(group, head_dim), shrink=v_shrink))
 
 
 @dataclass

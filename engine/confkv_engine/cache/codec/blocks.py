@@ -64,9 +64,10 @@ class EncodedBlock:
         return cls(spec, codes, params)
 
 
-def encode(x: Tensor, bits: int, axis: int, group: int, params: str = "fp16") -> EncodedBlock:
+def encode(x: Tensor, bits: int, axis: int, group: int, params: str = "fp16",
+           shrink: float = 1.0) -> EncodedBlock:
     """Encode one block ``x`` [*shape] (fp32/bf16/fp16) with groups of ``group`` along ``axis``."""
-    spec = CodecSpec(tuple(x.shape), bits, axis, group, params)
+    spec = CodecSpec(tuple(x.shape), bits, axis, group, params, shrink)
     codes, stored = quantize_stored(x, spec)
     return EncodedBlock(spec, pack(codes, bits), stored)
 

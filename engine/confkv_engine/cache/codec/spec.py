@@ -33,6 +33,18 @@ from math import prod
 
 SUPPORTED_BITS = (2, 4, 8)
 PARAM_FORMATS = ("fp16", "dq6")
+SHRINK_STEP = 0.05  # between two range fractions the fit tries (``group_quant._fitted_params``)
+# The smallest fraction of a group's [min, max] the range fit tries (1: min/max). Keys stop at 0.8: a
+# key's extreme channel values make its largest logits, and clipping down to 0.6 cut the keys' MSE
+# (0.028 -> 0.016 at int2) but raised the attention distributions' KL (0.127 -> 0.145, SmolLM2,
+# 1,024 tuning tokens; 0.8: 0.123); values, averaged by attention, take 0.6 (attention output error
+# 0.48 -> 0.39 of its RMS at int2). Only int2 is fitted (``FIT_MAX_BITS``): at int4 the fit cut the
+# MSE by 8-18% but raised KIVI-int4's perplexity on the tuning prose (+0.58% -> +0.75%), while at int2
+# it more than halved KIVI-int2's (+22.3% -> +9.2%; repeating text +39.9% -> +23.2%). Measured:
+# docs/notes/retention-journal.md, "A range fit for int2".
+KEY_SHRINK = 0.8
+VALUE_SHRINK = 0.6
+FIT_MAX_BITS = 2
 DQ_CODES = 63  # 6-bit codes of a dq6 group's min and scale
 DQ_SCALE_STEP = 1 / 8  # octaves between two dq6 scale codes
 DQ_HEADER = 3  # fp16 (top, floor, step) per row of groups
@@ -41,7 +53,10 @@ DQ_HEADER = 3  # fp16 (top, floor, step) per row of groups
 @dataclass(frozen=True)
 class CodecSpec:
     """How one block of ``shape`` is encoded: ``bits`` per code, groups of ``group`` along ``axis``,
-    group parameters stored as ``params`` ("fp16" or "dq6", see the module docstring). The derived
+    group parameters stored as ``params`` ("fp16" or "dq6", see the module docstring), each group's
+    range, at int2, the one of least decoded squared error among [min, max] shrunk around its
+    midpoint to 1, 0.95, ... down to ``shrink`` (1: min/max, every element inside; decoders never
+    read it, the stored format is the same). The derived
     sizes are computed once per spec (the cache asks for a block's bytes many times a step)."""
 
     shape: tuple[int, ...]
@@ -49,6 +64,7 @@ class CodecSpec:
     axis: int
     group: int
     params: str = "fp16"
+    shrink: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -56,6 +72,10 @@ class CodecSpec:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.params not in PARAM_FORMATS:
             raise ValueError(f"params must be one of {PARAM_FORMATS}, got {self.params!r}")
+        if not 0 < self.shrink <= 1:
+            raise ValueError(f"shrink must be in (0, 1], got {self.shrink}")
+        if self.bits > FIT_MAX_BITS:  # not fitted: equal to the min/max spec (one arena, one codec)
+            object.__setattr__(self, "shrink", 1.0)
         if not self.shape or any(s <= 0 for s in self.shape):
             raise ValueError(f"block shape must be non-empty and positive, got {self.shape}")
         if not -len(self.shape) <= self.axis < len(self.shape):
@@ -69,6 +89,13 @@ class CodecSpec:
         if self.group % self.per_byte:
             raise ValueError(f"int{self.bits} packs {self.per_byte} codes per byte: group {self.group} "
                              f"must be a multiple of {self.per_byte}")
+
+    @cached_property
+    def shrink_factors(self) -> tuple[float, ...]:
+        """The range fractions the fit tries, min/max first (above ``FIT_MAX_BITS``: only min/max)."""
+        if self.bits > FIT_MAX_BITS:
+            return (1.0,)
+        return tuple(1 - SHRINK_STEP * i for i in range(int((1 - self.shrink) / SHRINK_STEP + 1e-6) + 1))
 
     @cached_property
     def per_byte(self) -> int:
@@ -128,14 +155,16 @@ class CodecSpec:
         return self.params_offset + self.params_nbytes
 
 
-def key_spec(shape: tuple[int, ...], bits: int, group: int | None = None, params: str = "dq6") -> CodecSpec:
+def key_spec(shape: tuple[int, ...], bits: int, group: int | None = None, params: str = "dq6",
+             shrink: float = 1.0) -> CodecSpec:
     """Keys of a ``[L, block_size, Hkv, D]`` block: per channel, grouped along tokens (default all)."""
-    return CodecSpec(tuple(shape), bits, axis=1, group=group or shape[1], params=params)
+    return CodecSpec(tuple(shape), bits, axis=1, group=group or shape[1], params=params, shrink=shrink)
 
 
-def value_spec(shape: tuple[int, ...], bits: int, group: int | None = None) -> CodecSpec:
+def value_spec(shape: tuple[int, ...], bits: int, group: int | None = None,
+               shrink: float = 1.0) -> CodecSpec:
     """Values of a ``[L, block_size, Hkv, D]`` block: per token, grouped along head_dim (default D)."""
-    return CodecSpec(tuple(shape), bits, axis=-1, group=group or shape[-1])
+    return CodecSpec(tuple(shape), bits, axis=-1, group=group or shape[-1], shrink=shrink)
 
 
 def encoded_nbytes(shape: tuple[int, ...], bits: int, axis: int, group: int, params: str = "fp16") -> int:
