@@ -166,24 +166,21 @@ def _fitted_params(g: Tensor, lo: Tensor, hi: Tensor, spec: CodecSpec) -> Params
     clipping each end on its own won a little more MSE at 4x the cost, Lloyd-style refits of (scale,
     min) less. Which bits are fitted and how far: ``codec.spec`` (``FIT_MAX_BITS``, ``KEY_SHRINK``)."""
     levels = spec.levels
-    if spec.params == "fp16":
-        plain: Params = _fp16_params(lo, hi, levels)
-    else:
-        flo, fhi = lo.flatten(-2), hi.flatten(-2)
-        header = _dq_header(flo, fhi, levels)
-        plain = _dq_codes(header, flo, fhi, levels)
-        plain = (plain[0], plain[1].reshape(*lo.shape, 2))
+    header = None if spec.params == "fp16" else _dq_header(lo.flatten(-2), hi.flatten(-2), levels)
+
+    def stored(lo_c: Tensor, hi_c: Tensor) -> Params:  # the parameters covering [lo_c, hi_c], as stored
+        if header is None:
+            return _fp16_params(lo_c, hi_c, levels)
+        headers, codes = _dq_codes(header, lo_c.flatten(-2), hi_c.flatten(-2), levels)
+        return headers, codes.reshape(*lo.shape, 2)
+
+    plain = stored(lo, hi)
     if len(spec.shrink_factors) == 1:
         return plain
     best, best_err = plain, _sq_error(g, *(v.float() for v in group_values(plain, spec)), levels)
     mid = (lo + hi) / 2
     for a in spec.shrink_factors[1:]:
-        lo_c, hi_c = mid - a * (mid - lo), mid + a * (hi - mid)
-        if spec.params == "fp16":
-            cand: Params = _fp16_params(lo_c, hi_c, levels)
-        else:
-            headers, codes = _dq_codes(header, lo_c.flatten(-2), hi_c.flatten(-2), levels)
-            cand = (headers, codes.reshape(*lo.shape, 2))
+        cand = stored(mid - a * (mid - lo), mid + a * (hi - mid))
         err = _sq_error(g, *(v.float() for v in group_values(cand, spec)), levels)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
