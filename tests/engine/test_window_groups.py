@@ -6,7 +6,8 @@
   sequence's held blocks stay bounded while the global group grows.
 - Logits through the grouped cache equal the dense reference (``DenseAttention``, every key kept)
   far past the window: tiny random Gemma 3 models (HF layer types, and llama.cpp's 5:1 pattern),
-  prefilled in chunks and decoded token by token beside a second sequence.
+  prefilled in chunks and decoded token by token beside a second sequence; decode-only steps read
+  the window groups' tables with the native kernel (every layer), or gather them (``native=False``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from confkv_engine.attention.kernels import native_decode
 from confkv_engine.attention.paged import PagedAttention
 from confkv_engine.cache.groups import GLOBAL, LayerGroups
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
@@ -107,7 +109,8 @@ def test_reserve_takes_nothing_when_the_windows_do_not_fit():
 
 
 @torch.inference_mode()
-def _grouped_logits(model, tokens: list[int], prompt_len: int, chunk: int, block: int) -> torch.Tensor:
+def _grouped_logits(model, tokens: list[int], prompt_len: int, chunk: int, block: int,
+                    native: bool) -> torch.Tensor:
     """Logits of ``tokens`` through a grouped cache: prompt chunks of ``chunk``, then one token per
     step, beside a second sequence decoding on its own (so decode rows batch)."""
     args = model.args
@@ -116,7 +119,8 @@ def _grouped_logits(model, tokens: list[int], prompt_len: int, chunk: int, block
     spec = CacheSpec(groups.group_size, args.num_kv_heads, args.head_dim, block, torch.float32,
                      torch.device("cpu"), layer_groups=groups)
     cache = KVCache(spec, 256)
-    backend = PagedAttention(cache, args.num_heads)
+    backend = PagedAttention(cache, args.num_heads, native=native)
+    assert backend.native_ok is (native and native_decode.available())
     main, other, other_next = SeqKV(), SeqKV(), 3
     rows, done = [], 0
     while done < len(tokens):
@@ -136,16 +140,24 @@ def _grouped_logits(model, tokens: list[int], prompt_len: int, chunk: int, block
     return torch.cat(rows)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "gather"])
 @pytest.mark.parametrize(("arch", "chunk", "block"), [("gemma3", 8, 4), ("gemma3-llamacpp", 12, 4)])
-def test_grouped_cache_logits_equal_dense(arch, chunk, block, tmp_path):
+def test_grouped_cache_logits_equal_dense(arch, chunk, block, native, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
+    if native and not native_decode.available():
+        pytest.skip("the native decode library is not built")
+    calls = []
+    kernel = native_decode.decode_attention
+    monkeypatch.setattr(native_decode, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     torch.manual_seed(0)
     _, model_dir = make_tiny_hf_model(arch, tmp_path)
     model = load_model(str(model_dir)).model
     tokens = [(i * 37 + 11) % 250 for i in range(48)]  # window 8: six windows past the first
     prompt_len = 30
     ref = dense_logits(model, tokens, prompt_len)
-    ours = _grouped_logits(model, tokens, prompt_len, chunk, block)
+    ours = _grouped_logits(model, tokens, prompt_len, chunk, block, native)
+    decode_steps = len(tokens) - prompt_len
+    assert len(calls) == (decode_steps * model.args.num_layers if native else 0)
     assert (ours - ref).abs().max().item() <= 1e-4
     assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
 

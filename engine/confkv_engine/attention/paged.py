@@ -146,8 +146,7 @@ class PagedAttention:
         self._codes_memo = codes.SplitMemo()  # decode rows' splits, reused across steps
         # Decode-only steps read the pool in place with the native kernel where it can.
         self.native_ok = (native is not False and native_decode.available() and native_decode.reads(cache.kv)
-                          and spec.dtype == spec.compute_dtype and cache.scale is None
-                          and spec.layer_groups is None)
+                          and spec.dtype == spec.compute_dtype and cache.scale is None)
         self.native: native_decode.DecodeTables | None = None
 
     # ---- per-step metadata -------------------------------------------------------------------
@@ -168,13 +167,15 @@ class PagedAttention:
             slice(0, len(dec)) if dec_rows == list(range(len(dec))) else self.cache.staging.send(dec_rows))
         self.offsets = offsets
         spec = self.cache.spec
+        decode_only = len(dec) == len(seqs)
         self._window = (None if spec.layer_groups is None else
-                        WindowStep(self.cache, seqs, num_new, self.group, offsets, spec.compute_dtype))
+                        WindowStep(self.cache, seqs, num_new, self.group, offsets, spec.compute_dtype,
+                                   native=self.native_ok and decode_only and self.kernel is None))
         if self.kernel is not None:
             self.decode, self.prefills = [], []
             self._begin_paged(seqs, num_new)
             return
-        self.native = self._native_tables(seqs) if len(dec) == len(seqs) else None
+        self.native = self._native_tables(seqs) if decode_only else None
         if self.native is not None:  # every layer reads the pool in place: no gather plan, no mask
             self.decode, self.prefills = [], []
             return
@@ -186,7 +187,7 @@ class PagedAttention:
     def _native_tables(self, seqs: list[SeqKV]) -> native_decode.DecodeTables | None:
         """A decode-only step's tables for the native kernel (``native_decode``), or None where it
         does not apply: no library, a pool it does not read (int8 / fp8, or stored in another dtype
-        than the compute one), window groups, a compressed block, or values stood in for."""
+        than the compute one), a compressed block, or values stood in for."""
         cache = self.cache
         if not (self.native_ok and self._plain_values()):
             return None
