@@ -54,7 +54,9 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     decay = args.h2o_decay if policy == "h2o" else args.decay
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale,
-                              pool=args.pool if policy.startswith("conf-kv") else 1)
+                              pool=args.pool if policy.startswith("conf-kv") else 1,
+                              memory=args.memory if policy.startswith("conf-kv") else 0.0,
+                              memory_distance=args.memory_distance, memory_decay=args.memory_decay)
     # The precision-tier settings only reach the rows with tiers, so sweeping them never re-measures
     # (or re-keys) the others.
     precision = dict(precision_window_fraction=args.tier_window_fraction, precision_loss=args.tier_loss,
@@ -189,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decay", type=float, default=ScorerConfig.decay)
     ap.add_argument("--scale", type=float, default=ScorerConfig.scale)
     ap.add_argument("--pool", type=int, default=ScorerConfig.pool)
+    ap.add_argument("--memory", type=float, default=ScorerConfig.memory,
+                    help="conf-kv: weight of each token's remembered attention peak (0: off)")
+    ap.add_argument("--memory-decay", type=float, default=ScorerConfig.memory_decay,
+                    help="conf-kv: the remembered peak fades by this per query position (1: never)")
+    ap.add_argument("--memory-distance", type=int, default=ScorerConfig.memory_distance,
+                    help="conf-kv: queries nearer than this do not raise a token's remembered peak")
     ap.add_argument("--granularity", default=TierConfig.granularity, help="conf-kv: head | layer | token")
     ap.add_argument("--tiers", default=None, help="precision tiers of the conf-kv+tiers rows, e.g. int4,int2")
     ap.add_argument("--tier-loss", type=_floats, default=TierConfig.precision_loss,
