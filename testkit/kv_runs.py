@@ -60,7 +60,8 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     # The precision-tier settings only reach the rows with tiers, so sweeping them never re-measures
     # (or re-keys) the others.
     precision = dict(precision_window_fraction=args.tier_window_fraction, precision_loss=args.tier_loss,
-                     last_tier_below=args.tier_last_below, freeze_order=args.tier_freeze_order,
+                     last_tier_below=args.tier_last_below, last_tier_share=args.tier_last_share,
+                     freeze_order=args.tier_freeze_order,
                      precision_group=args.tier_group, precision_window=args.tier_window,
                      precision_floor=args.tier_floor,
                      precision_interval=args.tier_interval) if precisions else {}
@@ -161,6 +162,10 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
 
+def _optional_float(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def _optional_int(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
@@ -210,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tier-last-below", type=float, default=TierConfig.last_tier_below,
                     help="conf-kv+tiers: confidence below which a token leaving the window goes to the "
                          "last precision tier (0: only the budget walk demotes below the first)")
+    ap.add_argument("--tier-last-share", type=_optional_float, default=TierConfig.last_tier_share,
+                    help="conf-kv+tiers: the most of the kept tokens the last precision tier may hold "
+                         "(none: no cap)")
     ap.add_argument("--tier-window", type=int, default=SERVED.window or TierConfig.precision_window,
                     help="conf-kv+tiers: the minimal always-FULL recent window (may be under the interval)")
     ap.add_argument("--tier-floor", type=_optional_int, default=TierConfig.precision_floor,
