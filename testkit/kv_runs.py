@@ -56,7 +56,8 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
                               decay=decay, scale=args.scale,
                               pool=args.pool if policy.startswith("conf-kv") else 1,
                               memory=args.memory if policy.startswith("conf-kv") else 0.0,
-                              memory_distance=args.memory_distance, memory_decay=args.memory_decay)
+                              memory_distance=args.memory_distance, memory_decay=args.memory_decay,
+                              memory_reach=args.memory_reach)
     # The precision-tier settings only reach the rows with tiers, so sweeping them never re-measures
     # (or re-keys) the others.
     precision = dict(precision_window_fraction=args.tier_window_fraction, precision_loss=args.tier_loss,
@@ -200,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="conf-kv: weight of each token's remembered attention peak (0: off)")
     ap.add_argument("--memory-decay", type=float, default=ScorerConfig.memory_decay,
                     help="conf-kv: the remembered peak fades by this per query position (1: never)")
+    ap.add_argument("--memory-reach", type=_optional_int, default=ScorerConfig.memory_reach,
+                    help="conf-kv: queries further than this do not raise a token's peak (none: no limit)")
     ap.add_argument("--memory-distance", type=int, default=ScorerConfig.memory_distance,
                     help="conf-kv: queries nearer than this do not raise a token's remembered peak")
     ap.add_argument("--granularity", default=TierConfig.granularity, help="conf-kv: head | layer | token")

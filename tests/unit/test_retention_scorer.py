@@ -126,6 +126,12 @@ def test_update_peak_exact_mean_of_far_queries_relative_to_uniform() -> None:
     # (0.1 x 4 / 2 = 0.2, 0.2, 3.2, 0.4) raise it where higher.
     scorer.update_peak(peak, later, torch.arange(4)[None], torch.tensor([5, 6]), 2, 2, fade=0.5)
     assert peak[0].tolist() == pytest.approx([0.25, 0.2, 3.2, 0.4])
+    # ``reach`` 2: only queries 2 positions after the key count (key 0: query 2, 0.2 x 3; key 1: query 3).
+    near = torch.zeros(1, 4)
+    scorer.update_peak(near, probs, torch.arange(4)[None], torch.arange(4), 1, 2, reach=2)
+    assert near[0].tolist() == pytest.approx([0.6, 0.4, 0.0, 0.0])
+    with pytest.raises(ValueError, match="memory_reach"):
+        ScorerConfig(memory_distance=16, memory_reach=16)
 
 
 def test_memory_keeps_a_once_attended_token_above_a_newer_one() -> None:

@@ -209,7 +209,7 @@ class RetentionState:
             sc = self.cfg.scorer
             fade = sc.memory_decay ** (self.last_query[layer] - last) if last >= 0 else 1.0
             scorer.update_peak(self.peak[layer, :, :s], probs, self.pos[layer, :, :s], query_pos.long(),
-                               self.group, sc.memory_distance, fade)
+                               self.group, sc.memory_distance, fade, sc.memory_reach)
 
     def on_sampling(self, first_position: int, confidences: list[float]) -> None:
         """Sampling confidence of the tokens at ``first_position``, ``first_position + 1``..."""

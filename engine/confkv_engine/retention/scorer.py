@@ -67,6 +67,9 @@ class ScorerConfig:
     # The peak fades by this factor per query position (1: never), so a passage retrieved once and
     # not again gives its bytes back in time.
     memory_decay: float = 1.0
+    # Queries further than this after a token do not raise its peak either (None: no limit): the
+    # peak then holds how strongly the token's own neighbourhood attended it, not a retrieval.
+    memory_reach: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("attention", "sampling", "combined"):
@@ -83,6 +86,8 @@ class ScorerConfig:
             raise ValueError(f"pool must be an odd number >= 1, got {self.pool}")
         if not 0.0 < self.memory_decay <= 1.0:
             raise ValueError(f"memory_decay must be in (0, 1], got {self.memory_decay}")
+        if self.memory_reach is not None and self.memory_reach <= self.memory_distance:
+            raise ValueError(f"memory_reach must exceed memory_distance, got {self.memory_reach}")
         if self.memory < 0 or self.memory_distance < 0:
             raise ValueError(f"memory and memory_distance must be >= 0, got {self.memory}, "
                              f"{self.memory_distance}")
@@ -148,7 +153,7 @@ def update_attention(
 
 
 def update_peak(peak: Tensor, probs: Tensor, key_pos: Tensor, query_pos: Tensor, group: int,
-                min_distance: int, fade: float = 1.0) -> None:
+                min_distance: int, fade: float = 1.0, reach: int | None = None) -> None:
     """Raise ``peak`` [U, S] (any float dtype) in place to this chunk's mean relative attention where
     it is higher.
 
@@ -156,11 +161,15 @@ def update_peak(peak: Tensor, probs: Tensor, key_pos: Tensor, query_pos: Tensor,
     ``a_ij * n_i / G`` (``n_i``: the keys it saw, so uniform attention is 1); the chunk's value for
     ``j`` is the mean over its queries with ``i - j >= min_distance`` (none: ``peak`` unchanged).
     The chunk is the decision interval's queries, so the peak depends on the interval (it is fixed
-    per chain, and replays run the same chunks). ``fade`` multiplies the old peak first."""
+    per chain, and replays run the same chunks). ``fade`` multiplies the old peak first; queries more
+    than ``reach`` after the key do not count (None: all)."""
     probs = probs.float()
     visible = key_pos[:, None, :] <= query_pos[None, :, None]  # [U, T, S]
     seen = visible.sum(-1, keepdim=True).float()  # [U, T, 1]
-    far = (key_pos[:, None, :] <= (query_pos - min_distance)[None, :, None]).float()
+    far = key_pos[:, None, :] <= (query_pos - min_distance)[None, :, None]
+    if reach is not None:
+        far &= key_pos[:, None, :] >= (query_pos - reach)[None, :, None]
+    far = far.float()
     count = far.sum(1)
     mean = (probs * seen * far).sum(1) / (group * count.clamp_min(1.0))
     old = peak.float() * fade
