@@ -54,11 +54,15 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     decay = args.h2o_decay if policy == "h2o" else args.decay
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale,
-                              pool=args.pool if policy.startswith("conf-kv") else 1)
+                              pool=args.pool if policy.startswith("conf-kv") else 1,
+                              memory=args.memory if policy.startswith("conf-kv") else 0.0,
+                              memory_distance=args.memory_distance, memory_decay=args.memory_decay,
+                              memory_reach=args.memory_reach)
     # The precision-tier settings only reach the rows with tiers, so sweeping them never re-measures
     # (or re-keys) the others.
     precision = dict(precision_window_fraction=args.tier_window_fraction, precision_loss=args.tier_loss,
-                     last_tier_below=args.tier_last_below, freeze_order=args.tier_freeze_order,
+                     last_tier_below=args.tier_last_below, last_tier_share=args.tier_last_share,
+                     freeze_order=args.tier_freeze_order,
                      precision_group=args.tier_group, precision_window=args.tier_window,
                      precision_floor=args.tier_floor,
                      precision_interval=args.tier_interval) if precisions else {}
@@ -159,6 +163,10 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
 
+def _optional_float(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def _optional_int(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
@@ -189,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decay", type=float, default=ScorerConfig.decay)
     ap.add_argument("--scale", type=float, default=ScorerConfig.scale)
     ap.add_argument("--pool", type=int, default=ScorerConfig.pool)
+    ap.add_argument("--memory", type=float, default=ScorerConfig.memory,
+                    help="conf-kv: weight of each token's remembered attention peak (0: off)")
+    ap.add_argument("--memory-decay", type=float, default=ScorerConfig.memory_decay,
+                    help="conf-kv: the remembered peak fades by this per query position (1: never)")
+    ap.add_argument("--memory-reach", type=_optional_int, default=ScorerConfig.memory_reach,
+                    help="conf-kv: queries further than this do not raise a token's peak (none: no limit)")
+    ap.add_argument("--memory-distance", type=int, default=ScorerConfig.memory_distance,
+                    help="conf-kv: queries nearer than this do not raise a token's remembered peak")
     ap.add_argument("--granularity", default=TierConfig.granularity, help="conf-kv: head | layer | token")
     ap.add_argument("--tiers", default=None, help="precision tiers of the conf-kv+tiers rows, e.g. int4,int2")
     ap.add_argument("--tier-loss", type=_floats, default=TierConfig.precision_loss,
@@ -202,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tier-last-below", type=float, default=TierConfig.last_tier_below,
                     help="conf-kv+tiers: confidence below which a token leaving the window goes to the "
                          "last precision tier (0: only the budget walk demotes below the first)")
+    ap.add_argument("--tier-last-share", type=_optional_float, default=TierConfig.last_tier_share,
+                    help="conf-kv+tiers: the most of the kept tokens the last precision tier may hold "
+                         "(none: no cap)")
     ap.add_argument("--tier-window", type=int, default=SERVED.window or TierConfig.precision_window,
                     help="conf-kv+tiers: the minimal always-FULL recent window (may be under the interval)")
     ap.add_argument("--tier-floor", type=_optional_int, default=TierConfig.precision_floor,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -75,3 +77,65 @@ def test_peers_keep_their_own_window_under_the_default_precision_chain() -> None
         assert (peer.tiers.min_window, peer.tiers.floor_tokens) == (32, 36)
     own = RetentionConfig(policy="conf-kv", tiers=chain, budget=0.25)
     assert own.uses_precision and own.tiers.min_window == TierConfig.precision_window
+
+
+def test_conf_kv_memory_keeps_the_once_attended_token_under_a_budget() -> None:
+    # Sink 0, window 4..5; one of tokens 1..3 fits (4 FULL tokens x 20 bytes). Token 2 has the
+    # highest decayed mean now; token 1 was attended far more once (its remembered peak).
+    tiers = TierConfig(sinks=1, window=2, window_fraction=0.0, high=0.01, medium=0.0)
+    view = _view([[0.0, 0.02, 0.1, 0.01, 0.0, 0.0]], 6)
+    view.peak = torch.tensor([[0.0, 3.0, 0.5, 0.0, 0.0, 0.0]])
+    plain = RetentionConfig(policy="conf-kv-discard", tiers=tiers, scorer=ScorerConfig(scale=1.0), budget=0.5)
+    remember = replace(plain, scorer=ScorerConfig(scale=1.0, memory=1.0))
+    assert remember.remembers and not plain.remembers
+    assert _kept(select(view, plain, ACCT, 80)) == [[0, 2, 4, 5]]
+    assert _kept(select(view, remember, ACCT, 80)) == [[0, 1, 4, 5]]
+
+
+def test_state_keeps_the_peak_only_when_remembering_and_moves_it_with_its_slot() -> None:
+    from confkv_engine.retention.runtime import RetentionState
+
+    probs = torch.tensor([[[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0], [0.2, 0.2, 0.6, 0.0],
+                           [0.1, 0.1, 0.1, 0.7]]])
+    peaks = []
+    for memory in (0.0, 1.0):
+        cfg = RetentionConfig(policy="conf-kv", scorer=ScorerConfig(memory=memory, memory_distance=2))
+        state = RetentionState(cfg=cfg, acct=ACCT, num_layers=1, num_kv_heads=1, head_dim=4, group=1,
+                               interval=4)
+        state.on_append(torch.arange(4))
+        state.on_attention(0, probs, torch.arange(4))
+        peaks.append(state.peak[0, 0].tolist())
+    assert peaks[0] == [0.0] * 4
+    assert peaks[1] == pytest.approx([0.5, 0.4, 0.0, 0.0], rel=1e-3)  # stored in fp16
+    state.keep_slots(torch.tensor([[[1, 3]]]))  # the peak travels with its slot, as acc and norm do
+    assert state.peak[0, 0].tolist() == pytest.approx([0.4, 0.0], rel=1e-3)
+    assert state.pos[0, 0].tolist() == [1, 3]
+
+
+def test_the_remembered_peak_is_counted_in_the_budget() -> None:
+    from types import SimpleNamespace
+
+    from confkv_engine.cache.layout import CacheSpec
+    from confkv_engine.retention.runtime import accounting
+
+    cache = SimpleNamespace(spec=CacheSpec(3, 2, 8, 16, torch.bfloat16, torch.device("cpu")))
+    plain = accounting(cache, RetentionConfig(policy="conf-kv", budget=0.25))  # type: ignore[arg-type]
+    remember = accounting(cache, RetentionConfig(policy="conf-kv", budget=0.25,  # type: ignore[arg-type]
+                                                 scorer=ScorerConfig(memory=1.0)))
+    assert remember.meta_bytes_per_slot - plain.meta_bytes_per_slot == 3 * 2 * 2  # fp16 per unit
+    h2o = RetentionConfig(policy="h2o", budget=0.25, scorer=ScorerConfig(memory=1.0))
+    assert not h2o.remembers  # the peers never keep it
+
+
+def test_state_fades_the_peak_by_the_query_positions_between_decisions() -> None:
+    from confkv_engine.retention.runtime import RetentionState
+
+    cfg = RetentionConfig(policy="conf-kv", scorer=ScorerConfig(memory=1.0, memory_distance=0,
+                                                                memory_decay=0.5))
+    state = RetentionState(cfg=cfg, acct=ACCT, num_layers=1, num_kv_heads=1, head_dim=4, group=1, interval=4)
+    state.on_append(torch.arange(2))
+    state.on_attention(0, torch.tensor([[[1.0, 0.0], [0.5, 0.5]]]), torch.arange(2))
+    assert state.peak[0, 0].tolist() == pytest.approx([1.0, 1.0])  # (1 x 1 + 0.5 x 2) / 2; 0.5 x 2
+    # Two positions later (last query 1 -> 3) the old peak is a quarter; this query gives 0.2 and 1.8.
+    state.on_attention(0, torch.tensor([[[0.1, 0.9]]]), torch.tensor([3]))
+    assert state.peak[0, 0].tolist() == pytest.approx([0.25, 1.8], rel=1e-3)

@@ -13,6 +13,7 @@ from confkv_engine.retention.precision import (
     assign_chain,
     decide_precision,
     held_bytes,
+    last_tier_cap,
     step_weights,
     threshold_chain,
     walk,
@@ -114,6 +115,33 @@ def test_walk_demotes_the_cheapest_step_until_it_fits() -> None:
     # and 0.5 x 0.035 < 0.8 x 0.028: the two most confident stay at int4.
     assert counts(60) == [0, 2, 0]
     assert counts(0) == [0, 0, 0]
+
+
+def test_last_tier_share_caps_the_walk_into_int2() -> None:
+    # int2 cheaper per byte than dropping (int4 -> int2 0.1 / 10, int2 -> DISCARD 0.9 / 20): uncapped,
+    # the walk fills int2; capped at half the kept tokens, it drops once int2 holds half.
+    profile, weights = [0.9, 0.8, 0.5, 0.2], [0.02 / 70, 0.1 / 10, 0.9 / 20]
+    capped = TierConfig(key_only=False, precisions=("int4", "int2"), last_tier_share=0.5)
+
+    def counts(target: int, cfg: TierConfig | None) -> list[int]:
+        def fits(c: list[int], blocks: list[int]) -> bool:
+            return 100 * c[0] + 30 * c[1] + 20 * c[2] <= target
+        allow = last_tier_cap(cfg, 3, 1) if cfg is not None else None
+        return walk(profile, [4, 0, 0], weights, fits, allow=allow)[0]
+
+    assert counts(100, None) == counts(100, capped) == [0, 2, 2]  # at the cap, not over it
+    assert counts(90, None) == [0, 1, 3]
+    assert counts(90, capped) == [0, 2, 1]  # int2 may not exceed half: the 0.2 token is dropped
+    assert counts(60, None) == [0, 0, 3]
+    assert counts(60, capped) == [0, 1, 1]
+    # Frozen int2 blocks count toward the share (blocks of 4: one int2 block among 8 kept tokens).
+    allow = last_tier_cap(capped, 3, 4)
+    assert allow is not None and not allow(1, [0, 4, 0], [2])
+    assert allow(1, [0, 5, 0], [2]) and allow(2, [0, 4, 0], [2])  # 4 of 9; a drop is never capped
+    assert last_tier_cap(TierConfig(key_only=False, precisions=("int4",), last_tier_share=0.5), 2, 4) is None
+    assert last_tier_cap(replace(capped, last_tier_share=None), 3, 4) is None
+    with pytest.raises(ValueError, match="last_tier_share"):
+        TierConfig(last_tier_share=1.5)
 
 
 def test_walk_demotes_a_frozen_block_when_it_is_the_cheapest_step() -> None:

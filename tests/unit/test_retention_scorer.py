@@ -108,3 +108,41 @@ def test_pool_signal_keeps_neighbours_of_a_peak() -> None:
     torch.testing.assert_close(pooled, expected)
     assert torch.equal(scorer.pool_signal(att, 1), att)
     assert scorer.pool_signal(torch.zeros(2, 0), 5).shape == (2, 0)
+
+
+def test_update_peak_exact_mean_of_far_queries_relative_to_uniform() -> None:
+    # One unit, keys 0..3, queries 0..3 (causal), group 1, queries nearer than 2 do not count.
+    probs = torch.tensor([[[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0], [0.2, 0.2, 0.6, 0.0],
+                           [0.1, 0.1, 0.1, 0.7]]])
+    peak = torch.zeros(1, 4)
+    scorer.update_peak(peak, probs, torch.arange(4)[None], torch.arange(4), 1, 2)
+    # key 0: queries 2 and 3 saw 3 and 4 keys: (0.2 * 3 + 0.1 * 4) / 2; key 1: query 3, 0.1 * 4.
+    assert peak[0].tolist() == pytest.approx([0.5, 0.4, 0.0, 0.0])
+    # A later chunk raises the peak where it is higher and never lowers it.
+    later = torch.tensor([[[0.05, 0.05, 0.8, 0.1]] * 2]) * 2  # group 2: summed over two heads
+    scorer.update_peak(peak, later, torch.arange(4)[None], torch.tensor([5, 6]), 2, 2)
+    assert peak[0].tolist() == pytest.approx([0.5, 0.4, 3.2, 0.4])
+    # ``fade`` scales the old peak first (0.5, 0.4, 3.2, 0.4 -> half), then this chunk's values
+    # (0.1 x 4 / 2 = 0.2, 0.2, 3.2, 0.4) raise it where higher.
+    scorer.update_peak(peak, later, torch.arange(4)[None], torch.tensor([5, 6]), 2, 2, fade=0.5)
+    assert peak[0].tolist() == pytest.approx([0.25, 0.2, 3.2, 0.4])
+    # ``reach`` 2: only queries 2 positions after the key count (key 0: query 2, 0.2 x 3; key 1: query 3).
+    near = torch.zeros(1, 4)
+    scorer.update_peak(near, probs, torch.arange(4)[None], torch.arange(4), 1, 2, reach=2)
+    assert near[0].tolist() == pytest.approx([0.6, 0.4, 0.0, 0.0])
+    with pytest.raises(ValueError, match="memory_reach"):
+        ScorerConfig(memory_distance=16, memory_reach=16)
+
+
+def test_memory_keeps_a_once_attended_token_above_a_newer_one() -> None:
+    # Token 0 was attended (peak 2) but its decayed mean fell to 0.01; token 1's mean is 0.05.
+    acc, norm = torch.tensor([[0.01, 0.05]]), torch.ones(1, 2)
+    peak = torch.tensor([[2.0, 0.1]])
+    c_samp = torch.zeros(2)
+    plain = scorer.confidence(acc, norm, c_samp, 10, 1, ScorerConfig(scale=1.0), peak)
+    assert plain[0].tolist() == pytest.approx([1 - math.exp(-0.1), 1 - math.exp(-0.5)])
+    remembered = scorer.confidence(acc, norm, c_samp, 10, 1, ScorerConfig(scale=1.0, memory=0.5), peak)
+    # max(att * L / G, memory * peak): token 0 -> max(0.1, 1.0), token 1 -> max(0.5, 0.05).
+    assert remembered[0].tolist() == pytest.approx([1 - math.exp(-1.0), 1 - math.exp(-0.5)])
+    with pytest.raises(ValueError, match="memory"):
+        ScorerConfig(memory=-1.0)

@@ -67,6 +67,11 @@ class RetentionConfig:
         return self.policy == "h2o" or (self.policy.startswith("conf-kv") and self.scorer.mode != "sampling")
 
     @property
+    def remembers(self) -> bool:
+        """conf-kv keeping each token's remembered attention peak (``ScorerConfig.memory``)."""
+        return self.policy.startswith("conf-kv") and self.scores_attention and self.scorer.memory > 0
+
+    @property
     def uses_key_only(self) -> bool:
         return self.policy == "conf-kv" and self.tiers.uses_key_only
 
@@ -86,7 +91,7 @@ class RetentionConfig:
 
 @dataclass
 class SlotView:
-    """One sequence at a decision point. pos/tiers/acc/norm/c_samp are [U, n]."""
+    """One sequence at a decision point. pos/tiers/acc/norm/c_samp (and peak) are [U, n]."""
 
     pos: Tensor
     tiers: Tensor
@@ -101,6 +106,7 @@ class SlotView:
     fixed: int = 0  # positions below this are a shared prefix: kept FULL whatever the policy
     base: int = 0  # slots [0, base) hold the shared prefix
     frozen_end: int = 0  # slots [base, frozen_end) are frozen precision-tier blocks
+    peak: Tensor | None = None  # the remembered attention (``scorer.update_peak``), when conf-kv keeps it
 
 
 def window_limit(length: int, prev_length: int, prev_window: int | None) -> int | None:
@@ -146,7 +152,7 @@ def select_h2o(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target:
 
 
 def select_conf_kv(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
-    conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer)
+    conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer, view.peak)
     conf = share_confidence(conf, cfg.tiers.granularity, view.heads)
     if cfg.uses_precision:
         return decide_precision(view.pos, view.tiers, conf, view.length, view.prev_length,

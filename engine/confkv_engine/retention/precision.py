@@ -109,24 +109,29 @@ def assign_chain(conf: Tensor, tiers: Tensor, eligible: Tensor, counts: list[int
     return out
 
 
+Allow = Callable[[int, list[int], list[int]], bool]
+
+
 def walk(profile: list[float], counts: list[int], weights: list[float],
          fits: Callable[[list[int], list[int]], bool], block_conf: tuple[float, ...] = (),
-         blocks: tuple[int, ...] = ()) -> tuple[list[int], list[int]]:
+         blocks: tuple[int, ...] = (), allow: Allow | None = None) -> tuple[list[int], list[int]]:
     """Demote one step at a time until ``fits(counts, blocks)``. ``counts[j]`` tokens at chain tier j
     hold the ranks after those of tiers < j in ``profile`` (confidences, high to low): a token step
     demotes the last token of tier j, at profile[rank] x weights[j]. ``blocks`` are frozen blocks'
     chain indices (``len(weights)``: dropped) with mean confidences ``block_conf``: a block step
     demotes a whole block, at its mean x weights[j]. The cheapest step goes first (ties: tokens, then
-    the higher tier, then the first block)."""
+    the higher tier, then the first block). ``allow(j, counts, blocks)``: whether a step out of tier
+    j may go now (None: always)."""
     counts, frozen = list(counts), list(blocks)
     while not fits(counts, frozen):
         best, best_key, end = -1, math.inf, 0
+        ok = [allow is None or allow(j, counts, frozen) for j in range(len(weights))]
         for j, c in enumerate(counts):
             end += c
-            if c and profile[end - 1] * weights[j] < best_key:
+            if c and ok[j] and profile[end - 1] * weights[j] < best_key:
                 best, best_key = j, profile[end - 1] * weights[j]
         for i, j in enumerate(frozen):
-            if j < len(weights) and block_conf[i] * weights[j] < best_key:
+            if j < len(weights) and ok[j] and block_conf[i] * weights[j] < best_key:
                 best, best_key = len(counts) + i, block_conf[i] * weights[j]
         if best < 0:
             break
@@ -137,6 +142,23 @@ def walk(profile: list[float], counts: list[int], weights: list[float],
         if best + 1 < len(counts):
             counts[best + 1] += 1
     return counts, frozen
+
+
+def last_tier_cap(cfg: TierConfig, n_kept: int, block_size: int) -> Allow | None:
+    """``walk``'s rule for ``TierConfig.last_tier_share``: a step into the last precision tier goes
+    only while that tier holds under the share of the kept tokens (walked and frozen)."""
+    share, last = cfg.last_tier_share, n_kept - 1
+    if share is None or last < 2:
+        return None
+
+    def allow(j: int, counts: list[int], blocks: list[int]) -> bool:
+        if j != last - 1:
+            return True
+        at_last = counts[last] + block_size * sum(b == last for b in blocks)
+        kept = sum(counts) + block_size * sum(b <= last for b in blocks)
+        return at_last < share * kept
+
+    return allow
 
 
 def held_bytes(acct: KVAccounting, prefix: int, frozen: list[int], n_full: int, staged: list[int],
@@ -188,7 +210,8 @@ def decide_precision(pos: Tensor, tiers: Tensor, conf: Tensor, length: int, prev
     masked = torch.where(cand, conf, torch.full_like(conf, -math.inf))
     profile = masked.sort(dim=-1, descending=True).values[:, :sum(counts)].mean(0).tolist()
     block_conf = tuple(float(conf[:, s:s + bs].mean()) for s in starts)
-    new_counts, new_frozen = walk(profile, counts, step_weights(cfg, acct), fits, block_conf, frozen)
+    new_counts, new_frozen = walk(profile, counts, step_weights(cfg, acct), fits, block_conf, frozen,
+                                  last_tier_cap(cfg, len(kept), bs))
     if new_counts != counts:
         out = assign_chain(conf, out, cand, new_counts, kept)
     for s, j in zip(starts, new_frozen, strict=True):

@@ -47,7 +47,7 @@ from confkv_engine.cache.tiered import tier_pair_bytes
 from confkv_engine.retention import policies, scorer
 from confkv_engine.retention.budget import ScheduleState
 from confkv_engine.retention.policies import RetentionConfig, SlotView
-from confkv_engine.retention.slots import QueryRing, SlotColumns
+from confkv_engine.retention.slots import PEAK_BYTES, QueryRing, SlotColumns
 from confkv_engine.retention.tiers import (
     PRECISION_TIERS,
     TIER_BITS,
@@ -72,6 +72,8 @@ def accounting(cache: KVCache, cfg: RetentionConfig, shards: int = 1) -> KVAccou
         spec = replace(spec, num_kv_heads=spec.num_kv_heads * shards)
     units = spec.num_layers * spec.num_kv_heads
     meta = units * (4 + 4 + 1) + 4 if cfg.policy != "streaming" else 0  # acc, norm, tier; c_samp
+    if cfg.remembers:
+        meta += units * PEAK_BYTES  # the remembered peak
     fixed = units * (spec.head_dim + 1) * 4 if cfg.uses_key_only else 0
     pairs = tuple((int(PRECISION_TIERS[p]), tier_pair_bytes(spec, TIER_BITS[PRECISION_TIERS[p]],
                                                             cfg.tiers.precision_group))
@@ -102,7 +104,7 @@ class RetentionState:
     head_dim: int
     group: int
     interval: int
-    slots: SlotColumns = field(init=False)  # pos, tiers, acc, norm per slot (see ``slots``)
+    slots: SlotColumns = field(init=False)  # pos, tiers, acc, norm, peak per slot (see ``slots``)
     v_mean: Tensor = field(init=False)
     v_weight: Tensor = field(init=False)
     c_samp: list[float] = field(default_factory=list)
@@ -153,6 +155,10 @@ class RetentionState:
         return self.slots.norm
 
     @property
+    def peak(self) -> Tensor:
+        return self.slots.peak
+
+    @property
     def num_slots(self) -> int:
         return self.slots.size
 
@@ -195,10 +201,15 @@ class RetentionState:
     def on_attention(self, layer: int, probs: Tensor, query_pos: Tensor) -> None:
         """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer, and the
         queries' positions [T], both on the host (as the accumulators)."""
-        s = probs.shape[-1]
+        s, last = probs.shape[-1], self.last_query[layer]
         self.last_query[layer] = scorer.update_attention(
             self.acc[layer, :, :s], self.norm[layer, :, :s], probs.float(), self.pos[layer, :, :s],
             query_pos.long(), self.last_query[layer], self.cfg.scorer.decay)
+        if self.cfg.remembers:
+            sc = self.cfg.scorer
+            fade = sc.memory_decay ** (self.last_query[layer] - last) if last >= 0 else 1.0
+            scorer.update_peak(self.peak[layer, :, :s], probs, self.pos[layer, :, :s], query_pos.long(),
+                               self.group, sc.memory_distance, fade, sc.memory_reach)
 
     def on_sampling(self, first_position: int, confidences: list[float]) -> None:
         """Sampling confidence of the tokens at ``first_position``, ``first_position + 1``..."""
@@ -237,6 +248,7 @@ class RetentionState:
         n = self.num_slots
         return SlotView(pos=self.pos.reshape(-1, n), tiers=self.tiers.reshape(-1, n),
                         acc=self.acc.reshape(-1, n), norm=self.norm.reshape(-1, n),
+                        peak=self.peak.reshape(-1, n) if self.cfg.remembers else None,
                         c_samp=c[self.pos].reshape(-1, n), length=length, prev_length=self.prev_decision,
                         group=self.group, prev_window=self.prev_window, heads=self.num_kv_heads,
                         fixed=max(self.base, self.protect), base=self.base, frozen_end=self.key_start)
@@ -307,11 +319,12 @@ class RetentionState:
         its own heads' part) and ``acct`` counts them all: the decision equals the one TP = 1 makes."""
         if self.shards is None:
             return policies.select(self._view(length), self.cfg, self.acct, target).view_as(self.tiers)
-        pos, tiers, acc, norm = (self.shards.gather(t) for t in (self.pos, self.tiers, self.acc, self.norm))
+        cols = (self.pos, self.tiers, self.acc, self.norm, self.peak)
+        pos, tiers, acc, norm, peak = (self.shards.gather(t) for t in cols)
         n, c = self.num_slots, self._c_samp(length)
         view = replace(self._view(length), heads=pos.shape[1], pos=pos.reshape(-1, n),
                        tiers=tiers.reshape(-1, n), acc=acc.reshape(-1, n), norm=norm.reshape(-1, n),
-                       c_samp=c[pos].reshape(-1, n))
+                       peak=peak.reshape(-1, n) if self.cfg.remembers else None, c_samp=c[pos].reshape(-1, n))
         new = policies.select(view, self.cfg, self.acct, target).view_as(tiers)
         return self.shards.local(new)
 

@@ -56,6 +56,20 @@ class ScorerConfig:
     # Max-pool the attention signal over this many neighbouring slots (1: off). Keeps the
     # neighbours of a heavily attended token, so spans survive rather than isolated tokens.
     pool: int = 1
+    # Remembered attention (0: off). At each decision a key's mean attention from the queries at
+    # least ``memory_distance`` positions after it, relative to uniform over the keys each query saw,
+    # raises its peak (``update_peak``), which never decays; the confidence reads
+    # ``max(att * L / G, memory * peak)``. ``att`` is a decayed mean that falls with a token's age
+    # once nothing attends it, so without the peak an old token ranks below a newer one with the
+    # same history of attention; with it, a token once attended keeps a floor.
+    memory: float = 0.0
+    memory_distance: int = 16
+    # The peak fades by this factor per query position (1: never), so a passage retrieved once and
+    # not again gives its bytes back in time.
+    memory_decay: float = 1.0
+    # Queries further than this after a token do not raise its peak either (None: no limit): the
+    # peak then holds how strongly the token's own neighbourhood attended it, not a retrieval.
+    memory_reach: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("attention", "sampling", "combined"):
@@ -70,6 +84,13 @@ class ScorerConfig:
             raise ValueError(f"scale must be > 0, got {self.scale}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"pool must be an odd number >= 1, got {self.pool}")
+        if not 0.0 < self.memory_decay <= 1.0:
+            raise ValueError(f"memory_decay must be in (0, 1], got {self.memory_decay}")
+        if self.memory_reach is not None and self.memory_reach <= self.memory_distance:
+            raise ValueError(f"memory_reach must exceed memory_distance, got {self.memory_reach}")
+        if self.memory < 0 or self.memory_distance < 0:
+            raise ValueError(f"memory and memory_distance must be >= 0, got {self.memory}, "
+                             f"{self.memory_distance}")
 
     @property
     def effective_weight(self) -> float:
@@ -131,6 +152,30 @@ def update_attention(
     return t_new
 
 
+def update_peak(peak: Tensor, probs: Tensor, key_pos: Tensor, query_pos: Tensor, group: int,
+                min_distance: int, fade: float = 1.0, reach: int | None = None) -> None:
+    """Raise ``peak`` [U, S] (any float dtype) in place to this chunk's mean relative attention where
+    it is higher.
+
+    probs [U, T, S] as in ``update_attention``. Query ``i`` gives key ``j`` the relative attention
+    ``a_ij * n_i / G`` (``n_i``: the keys it saw, so uniform attention is 1); the chunk's value for
+    ``j`` is the mean over its queries with ``i - j >= min_distance`` (none: ``peak`` unchanged).
+    The chunk is the decision interval's queries, so the peak depends on the interval (it is fixed
+    per chain, and replays run the same chunks). ``fade`` multiplies the old peak first; queries more
+    than ``reach`` after the key do not count (None: all)."""
+    probs = probs.float()
+    visible = key_pos[:, None, :] <= query_pos[None, :, None]  # [U, T, S]
+    seen = visible.sum(-1, keepdim=True).float()  # [U, T, 1]
+    far = key_pos[:, None, :] <= (query_pos - min_distance)[None, :, None]
+    if reach is not None:
+        far &= key_pos[:, None, :] >= (query_pos - reach)[None, :, None]
+    far = far.float()
+    count = far.sum(1)
+    mean = (probs * seen * far).sum(1) / (group * count.clamp_min(1.0))
+    old = peak.float() * fade
+    peak.copy_(torch.maximum(old, torch.where(count > 0, mean, old)))  # peak may be stored narrower
+
+
 def attention_signal(acc: Tensor, norm: Tensor) -> Tensor:
     """att_j = A_j / N_j (0 where no query has seen the key yet)."""
     return torch.where(norm > 0, acc / norm.clamp_min(1e-30), torch.zeros_like(acc))
@@ -160,9 +205,14 @@ def combine(c_att: Tensor, c_samp: Tensor, config: ScorerConfig) -> Tensor:
 
 
 def confidence(
-    acc: Tensor, norm: Tensor, c_samp: Tensor, context_len: int, group: int, config: ScorerConfig
+    acc: Tensor, norm: Tensor, c_samp: Tensor, context_len: int, group: int, config: ScorerConfig,
+    peak: Tensor | None = None,
 ) -> Tensor:
-    """Combined retention confidence for [U, S] cached keys; ``c_samp`` [S] or [U, S]."""
-    att = pool_signal(attention_signal(acc, norm), config.pool)
+    """Combined retention confidence for [U, S] cached keys; ``c_samp`` [S] or [U, S]; ``peak``
+    [U, S] (``update_peak``) is read when ``config.memory`` is on."""
+    att = attention_signal(acc, norm)
+    if peak is not None and config.memory > 0:  # in att's units: att * L / G >= memory * peak
+        att = torch.maximum(att, peak.to(att.dtype) * (config.memory * group / max(context_len, 1)))
+    att = pool_signal(att, config.pool)
     c_att = attention_confidence(att, context_len, group, config.scale)
     return combine(c_att, c_samp, config).clamp(0.0, 1.0)

@@ -23,6 +23,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# The remembered attention peak is a max-hold of a positive ratio read through a saturating map, so
+# fp16 holds it well, and the retention metadata it adds to every kept token is counted in the
+# budget (``runtime.accounting``): 2 bytes per unit, not 4.
+PEAK_DTYPE = torch.float16
+PEAK_BYTES = 2
+
 
 def _grown(capacity: int, need: int, limit: int | None = None) -> int:
     """The next capacity holding ``need``: doubling, clamped at ``limit`` while that suffices."""
@@ -34,9 +40,10 @@ def _grown(capacity: int, need: int, limit: int | None = None) -> int:
 
 class SlotColumns:
     """Per (layer, KV head) unit and slot: position (int64), tier (int8), attention accumulators
-    ``acc``/``norm`` (fp32), as [L, Hkv, capacity] host buffers whose first ``size`` columns are the
-    state. The views ``pos``/``tiers``/``acc``/``norm`` cover exactly those columns (not contiguous
-    once capacity exceeds size: ``reshape`` copies, in-place writes reach the buffers)."""
+    ``acc``/``norm`` (fp32) and the remembered peak ``peak`` (fp16, ``scorer.update_peak``), as
+    [L, Hkv, capacity] host buffers whose first ``size`` columns are the state. The views
+    ``pos``/``tiers``/``acc``/``norm``/``peak`` cover exactly those columns (not contiguous once
+    capacity exceeds size: ``reshape`` copies, in-place writes reach the buffers)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, base: int, capacity: int) -> None:
         self.units = (num_layers, num_kv_heads)
@@ -50,15 +57,15 @@ class SlotColumns:
         """(Re)allocate every column buffer at ``capacity``, keeping the first ``size`` columns."""
         shape = (*self.units, capacity)
         bufs = (torch.empty(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.int8),
-                torch.zeros(shape), torch.zeros(shape))
+                torch.zeros(shape), torch.zeros(shape), torch.zeros(shape, dtype=PEAK_DTYPE))
         if self.size:
             for new, old in zip(bufs, self._buffers(), strict=True):
                 new[..., :self.size] = old[..., :self.size]
-        self._pos, self._tiers, self._acc, self._norm = bufs
+        self._pos, self._tiers, self._acc, self._norm, self._peak = bufs
         self.reallocations += 1
 
-    def _buffers(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return self._pos, self._tiers, self._acc, self._norm
+    def _buffers(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return self._pos, self._tiers, self._acc, self._norm, self._peak
 
     @property
     def capacity(self) -> int:
@@ -80,6 +87,10 @@ class SlotColumns:
     def norm(self) -> Tensor:
         return self._norm[..., :self.size]
 
+    @property
+    def peak(self) -> Tensor:
+        return self._peak[..., :self.size]
+
     def append(self, positions: Tensor) -> None:
         """New FULL slots at absolute ``positions`` [T], the same in every unit."""
         t, n = positions.numel(), self.size
@@ -89,12 +100,13 @@ class SlotColumns:
         self._tiers[..., n:n + t] = 0
         self._acc[..., n:n + t] = 0.0
         self._norm[..., n:n + t] = 0.0
+        self._peak[..., n:n + t] = 0.0
         self.size = n + t
 
     def keep(self, order: Tensor, tiers: Tensor | None = None) -> None:
         """Keep the columns ``order`` [L, Hkv, m] (gather indices, per unit, m <= size), in that
         order; the tiers are gathered from ``tiers`` [L, Hkv, size] (the new ones) when given."""
-        cols = (self.pos, self.tiers if tiers is None else tiers, self.acc, self.norm)
+        cols = (self.pos, self.tiers if tiers is None else tiers, self.acc, self.norm, self.peak)
         kept = [c.gather(-1, order) for c in cols]  # copies first: the sources alias the buffers
         m = order.shape[-1]
         for buf, x in zip(self._buffers(), kept, strict=True):

@@ -146,6 +146,11 @@ class TierConfig:
     # last precision tier; 0 (default): never, only the budget walk demotes past the first precision
     # tier (thresholds sending low-attention tokens to int2 with room to spare cost +1.8% at f = 0.125).
     last_tier_below: float = 0.0
+    # Precision chain only (two precision tiers or more): the most the last tier (int2) may hold, as a
+    # share of the tokens kept outside the window; the walk stops demoting into it at the cap and
+    # drops instead. None: no cap. With int2 priced under ~0.42 of a drop the walk puts nearly every
+    # token there, over it nearly none; the cap sets the share in between.
+    last_tier_share: float | None = None
     # Precision chain only: the recent window's share of the tokens the budget holds (the FULL-only
     # chain's ``window_fraction``); 0: the minimal window, every other token is the walk's to price.
     precision_window_fraction: float = 0.0
@@ -194,6 +199,8 @@ class TierConfig:
         if self.freeze_order not in FREEZE_ORDERS:
             choices = ", ".join(FREEZE_ORDERS)
             raise ValueError(f"freeze_order must be one of {choices}, got {self.freeze_order!r}")
+        if self.last_tier_share is not None and not 0.0 <= self.last_tier_share <= 1.0:
+            raise ValueError(f"last_tier_share must be in [0, 1], got {self.last_tier_share}")
         if not 0.0 <= self.last_tier_below <= self.high:
             raise ValueError(f"need 0 <= last_tier_below <= high, got {self.last_tier_below}")
         self._check_precisions()
