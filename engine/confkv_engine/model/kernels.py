@@ -218,13 +218,16 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
 def _q8n_everywhere(info: CpuInfo, native8: bool | None) -> bool:
     """Whether int8 weights take ``q8n`` at every row count: on CPUs with AVX-512 VNNI and without
     AMX. Measured on an AMD EPYC (AVX-512 VNNI and BF16, no AMX), 2 threads, bf16 activations,
-    best of interleaved rounds (``bench.micro.int8_kernels``, docs/performance.md "Native int8
-    matmul"): Gemma 3's 262,144 x 640 LM head 5.9 / 22.7 / 50.0 ms at 1 / 32 / 64 rows against
-    11.8 / 132 / 269 ms for PyTorch's int8 and 19.7 / 42.8 / 85.5 ms for bf16 GEMM, and its
-    4,096 x 640 and 1,536 x 640 layers as fast or faster at every row count measured. One kernel at
-    every row count also keeps one copy of the weights (the packed one) instead of int8 plus a
-    dense bf16 copy. Not applied where unmeasured: AMX CPUs (oneDNN's bf16 GEMM on AMX may win at
-    many rows) and AVX2-only ones."""
+    best of 7 interleaved rounds (``bench.micro.int8_kernels``, docs/performance.md "Native int8
+    matmul"): Gemma 3's 262,144 x 640 LM head 6.3 / 26.4 / 51.3 / 183 ms at 1 / 32 / 64 / 256 rows
+    against 14.6 / 150 / 305 ms for PyTorch's int8 and 24.1 / 57.3 / 88.3 / 252 ms for bf16 GEMM;
+    SmolLM2's 49,152 x 576 head and Gemma's 4,096 x 640 and 1,536 x 640 layers as fast or faster up
+    to 64 rows (bf16 GEMM wins the two small layers at 256 rows, by 3 % and 25 %: prefill chunks;
+    the measured table may pick it there). One kernel at every row count also keeps one copy of the
+    weights (the packed one) instead of int8 plus a dense bf16 copy. VNNI CPUs without native bf16
+    get it too: there the alternatives are fp32 GEMM and PyTorch's int8 with fp32 activations, both
+    slower than the bf16 ones measured here, while q8n's integer work is the same. Not applied where
+    unmeasured: AMX CPUs (oneDNN's bf16 GEMM on AMX may win at many rows) and AVX2-only ones."""
     if native8 is None:
         native8 = native_int8_isa(info) == "vnni"
     return native8 and "avx512_vnni" in info.flags and not any(f.startswith("amx") for f in info.flags)
