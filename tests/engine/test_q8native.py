@@ -104,6 +104,7 @@ def test_bad_shapes_are_clear_errors() -> None:
         q8native.matmul(torch.randn(2, 32), packed, "scalar")
     with pytest.raises(ValueError, match="multiple of 32"):
         q8native.pack(quantize_int8(torch.randn(8, 48)))
+    assert q8native.matmul(torch.randn(0, 64), packed, "scalar").shape == (0, 8)
 
 
 def test_pack_layout() -> None:

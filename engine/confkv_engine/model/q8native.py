@@ -93,6 +93,8 @@ def matmul(x: Tensor, w: PackedInt8, isa: str, threads: int | None = None) -> Te
                          f"[rows, {k}] fp32/bf16 on cpu")
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return y
     code = _DTYPES[x.dtype]
     rc = lib.confkv_q8_matmul(x.data_ptr(), code, x.shape[0], k, w.q.data_ptr(), w.scale.data_ptr(), n,
                               y.data_ptr(), code, ISAS[isa], threads or torch.get_num_threads())
