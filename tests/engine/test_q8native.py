@@ -127,7 +127,8 @@ VNNI = kernels.CpuInfo("AVX512", frozenset({"avx2", "fma", "avx512vl", "avx512_v
     (VNNI, True, ["q8n"] * 5),  # measured: q8n wins at every row count (docs/performance.md)
     (VNNI, False, ["int8", "int8", "dense", "dense", "dense"]),  # library absent or switched off
     (AMX, True, ["int8", "int8", "dense", "dense", "dense"]),  # unmeasured there: unchanged
-    (AVX2, True, ["dense"] * 5),  # no VNNI: unchanged
+    (AVX2, True, ["q8n"] * 5),  # measured under the AVX2 emulation: q8n wins at every row count
+    (AVX2, False, ["dense"] * 5),
 ])
 def test_derived_int8_plan(info: kernels.CpuInfo, native8: bool, expected: list[str]) -> None:
     assert [kernels.derived_choice("int8", r, info, native8=native8) for r in kernels.ROW_GRID] == expected

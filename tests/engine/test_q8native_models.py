@@ -6,8 +6,9 @@ and once with ``CONFKV_NATIVE_INT8=0`` (PyTorch's int8 / dense kernels), prefill
 What is bounded: the plan (q8n at decode and prefill rows on, never off), the top-1 token against
 fp32, the logits' relative RMS error per position, and the next-token loss not worse than fp32's by
 more than 2 %. Not bounded relative to the replaced kernels: their bf16 activations are a finer
-rounding than q8n's int8 groups of 32, and on Gemma 3 the logits measured 7.4 % relative RMS from fp32 with q8n against 3.2 % without, while perplexity over
-4,092 tokens showed no loss (26.4133 vs 26.4550, fp32 26.4221; docs/performance.md).
+rounding than q8n's int8 groups of 32, and on Gemma 3 the logits measured 7.4 % relative RMS from
+fp32 with q8n against 3.2 % without, while perplexity over 4,092 tokens showed no loss (26.4133 vs
+26.4550, fp32 26.4221; docs/performance.md).
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
         native = native_isa(info) is not None
     if not info.native_bf16:
         # int8 weight-only with fp32 activations lost to fp32 GEMM even at one row (the 49,152 x
-        # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so int8 weights run dense here.
+        # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so without q8n int8 weights run
+        # dense here.
         return "q4n" if kind == "int4" and native and rows <= 16 else "dense"
     # int8 (PyTorch's weight-only kernel, bf16 activations) also stops at 4 rows: its time grows
     # with the rows where bf16 GEMM's stays flat. Gemma 3's 262,144 x 640 LM head, 2 threads:
@@ -216,21 +217,24 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
 
 
 def _q8n_everywhere(info: CpuInfo, native8: bool | None) -> bool:
-    """Whether int8 weights take ``q8n`` at every row count: on CPUs with AVX-512 VNNI and without
-    AMX. Measured on an AMD EPYC (AVX-512 VNNI and BF16, no AMX), 2 threads, bf16 activations,
-    best of 7 interleaved rounds (``bench.micro.int8_kernels``, docs/performance.md "Native int8
-    matmul"): Gemma 3's 262,144 x 640 LM head 6.3 / 26.4 / 51.3 / 183 ms at 1 / 32 / 64 / 256 rows
-    against 14.6 / 150 / 305 ms for PyTorch's int8 and 24.1 / 57.3 / 88.3 / 252 ms for bf16 GEMM;
-    SmolLM2's 49,152 x 576 head and Gemma's 4,096 x 640 and 1,536 x 640 layers as fast or faster up
-    to 64 rows (bf16 GEMM wins the two small layers at 256 rows, by 3 % and 25 %: prefill chunks;
-    the measured table may pick it there). One kernel at every row count also keeps one copy of the
-    weights (the packed one) instead of int8 plus a dense bf16 copy. VNNI CPUs without native bf16
-    get it too: there the alternatives are fp32 GEMM and PyTorch's int8 with fp32 activations, both
-    slower than the bf16 ones measured here, while q8n's integer work is the same. Not applied where
-    unmeasured: AMX CPUs (oneDNN's bf16 GEMM on AMX may win at many rows) and AVX2-only ones."""
+    """Whether int8 weights take ``q8n`` at every row count: where its AVX-512 VNNI or AVX2 path
+    runs, on CPUs without AMX. Measured on an AMD EPYC (AVX-512 VNNI and BF16, no AMX), 2 threads,
+    bf16 activations, best of 7 interleaved rounds (``bench.micro.int8_kernels``,
+    docs/performance.md "Native int8 matmul"): Gemma 3's 262,144 x 640 LM head 6.3 / 26.4 / 51.3 /
+    183 ms at 1 / 32 / 64 / 256 rows against 14.6 / 150 / 305 ms for PyTorch's int8 and 24.1 / 57.3
+    / 88.3 / 252 ms for bf16 GEMM; SmolLM2's 49,152 x 576 head and Gemma's 4,096 x 640 and
+    1,536 x 640 layers as fast or faster up to 64 rows (bf16 GEMM wins the two small layers at 256
+    rows, by 3 % and 25 %: prefill chunks; the measured table may pick it there). Under the AVX2
+    emulation (``CONFKV_CPU_ISA=avx2``, torch and oneDNN capped alike, fp32 activations; q8n's AVX2
+    path) q8n beat fp32 GEMM 2-10x at 1-64 rows on the same shapes (head 5.6 vs 58.7 ms at 1 row,
+    62.5 vs 174 ms at 32). One kernel at every row count also keeps one copy of the weights (the
+    packed one) instead of int8 plus a dense copy. VNNI CPUs without native bf16 take it as well
+    (their alternatives are fp32 GEMM and PyTorch's int8 with fp32 activations, slower than the ones
+    measured). Not applied on AMX CPUs, unmeasured (oneDNN's bf16 GEMM on AMX may win at many rows)."""
     if native8 is None:
-        native8 = native_int8_isa(info) == "vnni"
-    return native8 and "avx512_vnni" in info.flags and not any(f.startswith("amx") for f in info.flags)
+        native8 = native_int8_isa(info) in ("vnni", "avx2")
+    return native8 and not any(f.startswith("amx") for f in info.flags) and (
+        "avx512_vnni" in info.flags or {"avx2", "fma"} <= info.flags)
 
 
 @dataclass
