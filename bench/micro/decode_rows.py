@@ -17,6 +17,12 @@ shared machine.
 
     python -m bench.micro.decode_rows --model builtin:gemma3-270m --blocks --rounds 6 --steps 15
 
+``--native-int8`` is the same kind of in-process A/B for the native int8 matmul (``q8n``): two
+engines on the same model, one loaded as served and one with ``CONFKV_NATIVE_INT8=0`` (PyTorch's
+int8 / dense kernels for the int8 weights), stepped alternately ``--rounds`` times per batch.
+
+    python -m bench.micro.decode_rows --model builtin:gemma3-270m --native-int8 --rounds 6 --steps 10
+
 ``--out NAME`` writes ``bench/results/micro/NAME`` (labels, no paths).
 """
 
@@ -39,32 +45,84 @@ SOURCE_DIRS = ("", "api", "engine", "agent", "operator")
 def worker(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from confkv_api.config import ConfKVConfig
-    from confkv_engine.core.engine import LLMEngine
-    from confkv_engine.core.sampling_params import SamplingParams
-    from confkv_engine.model.loader import load_model
-
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(load_model(args.model, torch.float32, "cpu", weights=args.weights), ConfKVConfig())
+    if args.native_int8:
+        return native_int8_ab(args)
+    engine = make_engine(args)
     gen = torch.Generator().manual_seed(0)
     out = {}
     for batch in (int(b) for b in args.batches.split(",")):
         timed_steps = args.steps * (2 * args.rounds if args.blocks else 1) + 2 * args.rounds
-        greedy = SamplingParams(max_tokens=timed_steps + args.warmup + 8, temperature=0.0, ignore_eos=True)
-        for i in range(batch):
-            prompt = torch.randint(100, engine.vocab_size, (args.prompt,), generator=gen).tolist()
-            engine.add_request(f"b{batch}-{i}", prompt, greedy)
-        while any(s.num_computed < s.prompt_len for s in engine._seqs.values()):  # prefill
-            engine.step()
-        for _ in range(args.warmup):
-            engine.step()
+        start_batch(engine, batch, timed_steps, args, gen)
         if args.blocks:
             out.update(blocks_ab(engine, batch, args.steps, args.rounds))
         else:
             out[f"decode@{batch}"] = timed(engine, args.steps)
-        for i in range(batch):
-            engine.abort_request(f"b{batch}-{i}")
+        end_batch(engine, batch)
+    return out
+
+
+def make_engine(args: argparse.Namespace) -> Any:
+    import torch
+
+    from confkv_api.config import ConfKVConfig
+    from confkv_engine.core.engine import LLMEngine
+    from confkv_engine.model.loader import load_model
+
+    return LLMEngine(load_model(args.model, torch.float32, "cpu", weights=args.weights), ConfKVConfig())
+
+
+def start_batch(engine: Any, batch: int, timed_steps: int, args: argparse.Namespace, gen: Any) -> None:
+    """Queue ``batch`` greedy requests of random prompts, prefill them and take the warm-up steps."""
+    import torch
+
+    from confkv_engine.core.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=timed_steps + args.warmup + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(100, engine.vocab_size, (args.prompt,), generator=gen).tolist()
+        engine.add_request(f"b{batch}-{i}", prompt, greedy)
+    while any(s.num_computed < s.prompt_len for s in engine._seqs.values()):  # prefill
         engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+
+
+def end_batch(engine: Any, batch: int) -> None:
+    for i in range(batch):
+        engine.abort_request(f"b{batch}-{i}")
+    engine.step()
+
+
+def native_int8_ab(args: argparse.Namespace) -> dict[str, float]:
+    """Two engines in one process, the int8 weights on ``q8n`` and off it (the switch is read when a
+    model's kernel table is made), stepped alternately; medians as ``blocks_ab``."""
+    import torch
+
+    engines = {}
+    for mode, value in (("q8n", None), ("off", "0")):
+        if value is None:
+            os.environ.pop("CONFKV_NATIVE_INT8", None)
+        else:
+            os.environ["CONFKV_NATIVE_INT8"] = value
+        engines[mode] = make_engine(args)
+    os.environ.pop("CONFKV_NATIVE_INT8", None)
+    out: dict[str, float] = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        for engine in engines.values():  # the same prompts in both
+            start_batch(engine, batch, args.steps * args.rounds + 2 * args.rounds, args,
+                        torch.Generator().manual_seed(batch))
+        runs: dict[str, list[float]] = {"q8n": [], "off": []}
+        for r in range(args.rounds):
+            for mode in (("q8n", "off") if r % 2 == 0 else ("off", "q8n")):
+                engines[mode].step()
+                runs[mode].append(timed(engines[mode], args.steps))
+        ratios = [n / b for n, b in zip(runs["q8n"], runs["off"], strict=True)]
+        out.update({f"decode@{batch} q8n": statistics.median(runs["q8n"]),
+                    f"decode@{batch} off": statistics.median(runs["off"]),
+                    f"decode@{batch} q8n/off": statistics.median(ratios)})
+        for engine in engines.values():
+            end_batch(engine, batch)
     return out
 
 
@@ -148,15 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="file name under bench/results/micro")
     p.add_argument("--blocks", action="store_true",
                    help="one process: native row-wise blocks against the PyTorch reference, alternating")
+    p.add_argument("--native-int8", action="store_true",
+                   help="one process: int8 weights on the native kernel against CONFKV_NATIVE_INT8=0")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.blocks:
+    if args.blocks or args.native_int8:
         results = worker(args)
         print("\n".join(f"{k}: {v:.3f}" for k, v in results.items()))
         if args.out:
             OUT_DIR.mkdir(parents=True, exist_ok=True)
             meta = {k: getattr(args, k) for k in ("model", "weights", "threads", "prompt", "steps", "rounds")}
-            (OUT_DIR / args.out).write_text(json.dumps({**meta, "blocks": results}, indent=2))
+            key = "native_int8" if args.native_int8 else "blocks"
+            (OUT_DIR / args.out).write_text(json.dumps({**meta, key: results}, indent=2))
         return 0
     if args.worker:
         print(json.dumps(worker(args)))

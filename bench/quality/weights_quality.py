@@ -8,6 +8,9 @@ of the same weights and so measure the dense model). Perplexity = exp(mean NLL o
 after the first of each window, pooled).
 
     python -m bench.quality.weights_quality    # all modes, JSON in bench/results/quality/weights_quality.json
+
+``--model`` picks another model; ``--q8n-ab`` runs every mode listed a second time with the native
+int8 kernel turned off (``CONFKV_NATIVE_INT8=0``, row label ``MODE/q8n-off``), in the same process.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -46,9 +50,13 @@ def window_nll(model, tokens: list[int], chunk: int) -> tuple[float, int]:
     return total, count
 
 
-def perplexity(mode: str, windows: list[list[int]], chunk: int) -> dict:
+def perplexity(model: str, mode: str, windows: list[list[int]], chunk: int, q8n: bool = True) -> dict:
+    if q8n:
+        os.environ.pop("CONFKV_NATIVE_INT8", None)
+    else:
+        os.environ["CONFKV_NATIVE_INT8"] = "0"  # read when the model's kernel table is made
     start = time.perf_counter()
-    loaded = load_model(MODEL, torch.float32, "cpu", weights=mode)
+    loaded = load_model(model, torch.float32, "cpu", weights=mode)
     load_s = time.perf_counter() - start
     total, count = 0.0, 0
     with torch.inference_mode():
@@ -67,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--threads", type=int)
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--q8n-ab", action="store_true", help="each mode also with CONFKV_NATIVE_INT8=0")
     p.add_argument("--out", type=Path, default=results_dir("quality") / "weights_quality.json")
     args = p.parse_args(argv)
     if args.threads:
@@ -75,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(modes) - set(WEIGHT_MODES))
     if unknown:
         p.error(f"unknown weights mode(s) {unknown}; choose from {WEIGHT_MODES}")
-    tokens = pydoc_tokens(load_model(MODEL, torch.float32, "cpu").tokenizer)
+    tokens = pydoc_tokens(load_model(args.model, torch.float32, "cpu").tokenizer)
     windows = [tokens[i * args.size:(i + 1) * args.size] for i in range(args.windows)]
-    rows = {mode: perplexity(mode, windows, args.chunk) for mode in modes}
+    rows = {mode: perplexity(args.model, mode, windows, args.chunk) for mode in modes}
+    if args.q8n_ab:
+        rows.update({f"{mode}/q8n-off": perplexity(args.model, mode, windows, args.chunk, q8n=False)
+                     for mode in modes if mode not in ("fp32", "bf16")})
     base = rows.get("fp32", next(iter(rows.values())))["ppl"]
     print("| --weights | served as | activations | perplexity | vs fp32 | load s |")
     print("|---|---|---|---|---|---|")
@@ -86,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {mode} | {r['weights']} | {r['dtype']} | {r['ppl']:.4f} | {r['vs_fp32_pct']:+.2f}% "
               f"| {r['load_s']:.1f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"chunk": args.chunk, "windows": args.windows, "size": args.size,
-                                    "results": rows}, indent=2))
+    args.out.write_text(json.dumps({"model": args.model, "chunk": args.chunk, "windows": args.windows,
+                                    "size": args.size, "results": rows}, indent=2))
     return 0
 
 

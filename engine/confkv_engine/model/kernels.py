@@ -9,7 +9,9 @@ somewhere and dispatches on ``x.shape[0]``.
 Candidates for an int4 weight: ``q4n``, the project's native kernel (``q4native``: int8 activations,
 integer dot products, AVX2 / AVX-512 VNNI / scalar paths; present when the optional C library was
 built), PyTorch's weight-only ``int4`` (fast with bf16 activations on CPUs that compute bf16
-natively, slow without), and ``dense``. For int8 weights: ``int8`` and ``dense``.
+natively, slow without), and ``dense``. For int8 weights: ``q8n``, the native int8 x int8 kernel
+(``q8native``: same library, its weights repacked once into 16-row blocks), PyTorch's weight-only
+``int8`` and ``dense``.
 
 The table (kernel per row bucket per layer shape) is **derived** from what the CPU reports
 (``torch.backends.cpu.get_cpu_capability()`` and the flags in ``/proc/cpuinfo``) or **measured** at
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from confkv_engine.model import q4native
+from confkv_engine.model import q4native, q8native
 from confkv_engine.model.quant import Int4Weight, Int8Weight, int4_scales_and_zeros
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,28 @@ def q4n_kernel(weight: Int4Weight, bias: Tensor | None, dtype: torch.dtype) -> K
     return run
 
 
+def native_int8_isa(info: CpuInfo | None = None) -> str | None:
+    """The native int8 kernel's path for this CPU, or None where the library is absent or
+    ``CONFKV_NATIVE_INT8=0`` (read here, i.e. whenever a model's kernel table is made)."""
+    if os.environ.get(q8native.SWITCH, "1").strip() == "0":
+        return None
+    isa = q4native.isa_for((info or cpu_info()).flags)
+    return isa if isa in q8native.supported_isas() else None
+
+
+def q8n_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
+    isa = native_int8_isa()
+    if isa is None:
+        raise RuntimeError("the native int8 kernel is not available on this machine")
+    packed = q8native.pack(weight)
+    b = None if bias is None else bias.to(dtype)
+
+    def run(x: Tensor) -> Tensor:
+        y = q8native.matmul(x.to(dtype), packed, isa)
+        return y if b is None else y + b
+    return run
+
+
 def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
     q, scale = weight.q.contiguous(), weight.scale.to(dtype)
     b = None if bias is None else bias.to(dtype)
@@ -153,18 +177,20 @@ def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> 
 # values. fbgemm's dynamic int8 (activations quantized per tensor) is deliberately not a candidate:
 # on this model's layers, whose activations have outlier channels, it measured 4-7 % relative
 # output error against 0.3 % for int4 weight-only with bf16 activations.
-CANDIDATES = {"int4": ("q4n", "int4", "dense"), "int8": ("int8", "dense"), "dense": ("dense",)}
+CANDIDATES = {"int4": ("q4n", "int4", "dense"), "int8": ("q8n", "int8", "dense"), "dense": ("dense",)}
 
 
 def candidates(kind: str) -> tuple[str, ...]:
-    """The kernels that can serve ``kind`` here (``q4n`` only where its library runs)."""
-    return tuple(c for c in CANDIDATES[kind] if c != "q4n" or native_isa() is not None)
+    """The kernels that can serve ``kind`` here (``q4n`` / ``q8n`` only where the library runs)."""
+    absent = {"q4n": native_isa() is None, "q8n": native_int8_isa() is None}
+    return tuple(c for c in CANDIDATES[kind] if not absent.get(c, False))
 
 
-def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = None) -> str:
+def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = None,
+                   native8: bool | None = None) -> str:
     """The rule a table falls back to: weight-only kernels while the matmul is memory-bound, and
-    never one measured slower than the dense matmul on such a CPU. ``native``: whether the native
-    int4 kernel runs here (None: ask the library).
+    never one measured slower than the dense matmul on such a CPU. ``native`` / ``native8``: whether
+    the native int4 / int8 kernel runs here (None: ask the library).
 
     Measured on the embedded model's four linear shapes, 2 threads, best of 15 interleaved rounds,
     summed over one layer (docs/performance.md, "Kernels per CPU"): without native bf16 (AVX2,
@@ -174,17 +200,41 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     with bf16 activations beat bf16 GEMM up to 4 rows and it wins from 16 (int4: 0.70 vs 0.89 ms)."""
     if kind == "dense":
         return "dense"
+    if kind == "int8" and _q8n_everywhere(info, native8):
+        return "q8n"
     if native is None:
         native = native_isa(info) is not None
     if not info.native_bf16:
         # int8 weight-only with fp32 activations lost to fp32 GEMM even at one row (the 49,152 x
-        # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so int8 weights run dense here.
+        # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so without q8n int8 weights run
+        # dense here.
         return "q4n" if kind == "int4" and native and rows <= 16 else "dense"
     # int8 (PyTorch's weight-only kernel, bf16 activations) also stops at 4 rows: its time grows
     # with the rows where bf16 GEMM's stays flat. Gemma 3's 262,144 x 640 LM head, 2 threads:
     # 20.1 vs 23.1 ms at 4 rows, 37.0 vs 23.2 at 8, 75.1 vs 23.9 at 16; its layers' 4,096 x 640
     # and 1,536 x 640 cross over between 4 and 8 rows as well.
     return kind if rows <= 4 else "dense"
+
+
+def _q8n_everywhere(info: CpuInfo, native8: bool | None) -> bool:
+    """Whether int8 weights take ``q8n`` at every row count: where its AVX-512 VNNI or AVX2 path
+    runs, on CPUs without AMX. Measured on an AMD EPYC (AVX-512 VNNI and BF16, no AMX), 2 threads,
+    bf16 activations, best of 7 interleaved rounds (``bench.micro.int8_kernels``,
+    docs/performance.md "Native int8 matmul"): Gemma 3's 262,144 x 640 LM head 6.3 / 26.4 / 51.3 /
+    183 ms at 1 / 32 / 64 / 256 rows against 14.6 / 150 / 305 ms for PyTorch's int8 and 24.1 / 57.3
+    / 88.3 / 252 ms for bf16 GEMM; SmolLM2's 49,152 x 576 head and Gemma's 4,096 x 640 and
+    1,536 x 640 layers as fast or faster up to 64 rows (bf16 GEMM wins the two small layers at 256
+    rows, by 3 % and 25 %: prefill chunks; the measured table may pick it there). Under the AVX2
+    emulation (``CONFKV_CPU_ISA=avx2``, torch and oneDNN capped alike, fp32 activations; q8n's AVX2
+    path) q8n beat fp32 GEMM 2-10x at 1-64 rows on the same shapes (head 5.6 vs 58.7 ms at 1 row,
+    62.5 vs 174 ms at 32). One kernel at every row count also keeps one copy of the weights (the
+    packed one) instead of int8 plus a dense copy. VNNI CPUs without native bf16 take it as well
+    (their alternatives are fp32 GEMM and PyTorch's int8 with fp32 activations, slower than the ones
+    measured). Not applied on AMX CPUs, unmeasured (oneDNN's bf16 GEMM on AMX may win at many rows)."""
+    if native8 is None:
+        native8 = native_int8_isa(info) in ("vnni", "avx2")
+    return native8 and not any(f.startswith("amx") for f in info.flags) and (
+        "avx512_vnni" in info.flags or {"avx2", "fma"} <= info.flags)
 
 
 @dataclass
@@ -231,7 +281,7 @@ def _make(name: str, w: Tensor, dtype: torch.dtype) -> KernelFn:
         return dense_kernel(w, None, dtype)
     if name in ("int4", "q4n"):
         return (int4_kernel if name == "int4" else q4n_kernel)(quantize_int4(w), None, dtype)
-    return int8_kernel(quantize_int8(w), None, dtype)
+    return (int8_kernel if name == "int8" else q8n_kernel)(quantize_int8(w), None, dtype)
 
 
 def measure_table(shapes: Sequence[tuple[str, int, int]], dtype: torch.dtype, rounds: int = 5) -> KernelTable:

@@ -69,6 +69,7 @@ def build_quant_linear(weight: QuantWeight, bias: Tensor | None, dtype: torch.dt
         "int4": lambda: kernels.int4_kernel(weight, bias, dtype),  # type: ignore[arg-type]
         "q4n": lambda: kernels.q4n_kernel(weight, bias, dtype),  # type: ignore[arg-type]
         "int8": lambda: kernels.int8_kernel(weight, bias, dtype),  # type: ignore[arg-type]
+        "q8n": lambda: kernels.q8n_kernel(weight, bias, dtype),  # type: ignore[arg-type]
     }
     fns = {name: makers[name]() for name in {name for _, name in plan}}
     return QuantLinear(k, n, kind, fns, plan)
