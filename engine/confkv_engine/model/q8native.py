@@ -1,7 +1,8 @@
 """The native int8-weight matmul (``_q8matmul.c``, built into the same library as the int4 one).
 
-Maths (the C file says why): the weights are ``Int8Weight`` as stored (``q [N, K]`` int8 read in
-place, one fp32 scale per output row: no second copy), the activations are quantized per row and
+Maths (the C file says why): the weights are ``Int8Weight``'s values (``q [N, K]`` int8, one fp32
+scale per output row), repacked once at load into 16-row blocks (``pack``: the layer keeps only
+that copy when its plan is ``q8n`` at every row count), the activations are quantized per row and
 group of 32 to int8 with one scale (``max|x| / 127``), integer dot products per group, fp32
 accumulation. The int8 activations are the only rounding added to the weights' own.
 
