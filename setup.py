@@ -33,7 +33,7 @@ setup(ext_modules=[
         "confkv_engine.model._q4matmul",
         sources=["engine/confkv_engine/model/_q4matmul.c", "engine/confkv_engine/model/_q8matmul.c",
                  "engine/confkv_engine/model/_rowops.c"],
-        depends=["engine/confkv_engine/model/q4_simd.h"],
+        depends=["engine/confkv_engine/model/q4_simd.h", "engine/confkv_engine/model/_qcommon.h"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],

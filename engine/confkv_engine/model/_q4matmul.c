@@ -27,11 +27,9 @@
 #include <string.h>
 #include <math.h>
 
-#define GROUP 32
-#define TILE 4 /* activation rows that share one unpacked weight group */
+#include "_qcommon.h"
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
-enum { DT_F32 = 0, DT_BF16 = 1 };
+#define TILE 4 /* activation rows that share one unpacked weight group */
 
 typedef struct { /* quantized activations, rows x k */
     const int8_t *q;   /* [rows, k] */
@@ -47,22 +45,6 @@ typedef struct { /* packed weights, n x k */
     const float *z;    /* [n, k / 32] */
     int64_t k;
 } Weights;
-
-static inline float load_x(const void *x, int dtype, int64_t i) {
-    if (dtype == DT_F32) return ((const float *)x)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline void store_y(void *y, int dtype, int64_t i, float v) {
-    if (dtype == DT_F32) { ((float *)y)[i] = v; return; }
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even (finite values) */
-    ((uint16_t *)y)[i] = (uint16_t)(u >> 16);
-}
 
 /* One row of activations -> int8 groups. Scalar on purpose: it is O(rows * k) against the
    matmul's O(rows * k * n), and the compiler vectorises the plain loops. */

@@ -32,12 +32,10 @@
 #include <string.h>
 #include <math.h>
 
-#define GROUP 32
+#include "_qcommon.h"
+
 #define RT 8 /* activation rows per tile */
 #define AVX2_ROWS 4 /* of which the AVX2 path takes at a time (16 registers) */
-
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
-enum { DT_F32 = 0, DT_BF16 = 1 };
 
 typedef struct {      /* quantized activations, rows x k */
     const int8_t *q;  /* [rows, k] */
@@ -51,22 +49,6 @@ typedef struct { /* packed weights: [n / 16][k / 4][16][4] int8 (see the header 
     const float *scale; /* [n rounded up to 16] */
     int64_t k;
 } W8;
-
-static inline float load_x(const void *x, int dtype, int64_t i) {
-    if (dtype == DT_F32) return ((const float *)x)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline void store_y(void *y, int dtype, int64_t i, float v) {
-    if (dtype == DT_F32) { ((float *)y)[i] = v; return; }
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even (finite values) */
-    ((uint16_t *)y)[i] = (uint16_t)(u >> 16);
-}
 
 /* One row of activations -> int8 groups, their scales and the row's offset. */
 static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_t *q, float *s,
