@@ -43,7 +43,8 @@ def _monitoring_scenario(api: KubeEmulator) -> None:
         exprs = [r["expr"] for r in rule["spec"]["groups"][0]["rules"]]
         assert exprs and all(f'namespace="{namespace}", service="llm"' in e for e in exprs)
     api.patch(API_VERSION, "ckv", "llm", {"spec": {"monitoring": {"enabled": False}}}, "team-b")
-    wait(lambda: api.get("monitoring.coreos.com/v1", "servicemonitors", "llm", "team-b") is None,
-         "switched off")
-    assert api.get("monitoring.coreos.com/v1", "prometheusrules", "llm", "team-b") is None
+    # The operator deletes the two objects one after the other: wait for both (under load the rule's
+    # deletion can land after the monitor's).
+    wait(lambda: all(api.get("monitoring.coreos.com/v1", kind, "llm", "team-b") is None
+                     for kind in ("servicemonitors", "prometheusrules")), "switched off")
     assert api.get("monitoring.coreos.com/v1", "servicemonitors", "llm", "default") is not None
