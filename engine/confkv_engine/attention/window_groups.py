@@ -59,9 +59,9 @@ class WindowStep:
             self.calls: list[_Rows] = []
             return
         # On CPU a prefill chunk attends in query slices (``causal_chunks``), which needs no mask.
-        self.sliced = cache.kv.device.type == "cpu"
+        sliced = cache.kv.device.type == "cpu"
         self.calls = ([self._rows(dec, dtype)] if dec else []) + [
-            self._rows([i], dtype, masked=not self.sliced) for i, n in enumerate(num_new) if n > 1]
+            self._rows([i], dtype, masked=not sliced) for i, n in enumerate(num_new) if n > 1]
 
     def _rows(self, index: list[int], dtype: torch.dtype, masked: bool = True) -> _Rows:
         bs, dev = self.cache.spec.block_size, self.cache.kv.device
