@@ -1,7 +1,6 @@
 """The native part of the build: the codec's block decoder (``cache/codec/_dequant.c``) and the
-int4-weight matmul for CPUs (``model/_q4matmul.c``, its SIMD body in ``model/q4_simd.h``; the same
-library holds the int8-weight matmul, ``model/_q8matmul.c``, and the layers' row-wise blocks,
-``model/_rowops.c``) and
+int8- and int4-weight matmuls for CPUs (``model/_q8matmul.c``; the same library, ``_native``, holds
+the layers' row-wise blocks, ``model/_rowops.c``) and
 the decode attention read from the paged pool (``attention/kernels/_decode.c``).
 
 Everything else is declared in pyproject.toml. The library is plain C with a C ABI (no Python or
@@ -26,14 +25,13 @@ setup(ext_modules=[
         optional=True,
     ),
     # No -march: the AVX2 and AVX-512 VNNI paths carry their own target options and are chosen at
-    # run time, so one build runs on any x86-64 CPU (and the scalar path anywhere else). The same
-    # library holds the int8-weight matmul (_q8matmul.c) and the layers' row-wise blocks (_rowops.c:
-    # RMSNorm, RoPE, gated activation).
+    # run time, so one build runs on any x86-64 CPU (and the scalar path anywhere else). The library
+    # holds the int8- and int4-weight matmuls (_q8matmul.c) and the layers' row-wise blocks
+    # (_rowops.c: RMSNorm, RoPE, gated activation).
     Extension(
-        "confkv_engine.model._q4matmul",
-        sources=["engine/confkv_engine/model/_q4matmul.c", "engine/confkv_engine/model/_q8matmul.c",
-                 "engine/confkv_engine/model/_rowops.c"],
-        depends=["engine/confkv_engine/model/q4_simd.h", "engine/confkv_engine/model/_qcommon.h"],
+        "confkv_engine.model._native",
+        sources=["engine/confkv_engine/model/_q8matmul.c", "engine/confkv_engine/model/_rowops.c"],
+        depends=["engine/confkv_engine/model/_qcommon.h"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],

@@ -1,12 +1,18 @@
-"""The int8-weight kernels side by side on real layer shapes: PyTorch's weight-only int8, bf16 (or
-fp32) GEMM on a dense copy, and the native ``q8n`` (model/_q8matmul.c), at a few row counts.
+"""The quantized-weight kernels side by side on real layer shapes: PyTorch's weight-only int8 (or
+int4), bf16 (or fp32) GEMM on a dense copy, and the native block kernel (``q8n`` / ``q4n``,
+model/_q8matmul.c), at a few row counts.
 
-Random weights (``quantize_int8`` of N(0, 0.02)), activations N(0, 1) in the kernel table's
+``--kind``: ``int8`` (one scale per row: ``quantize_int8``), ``int8g`` (a scale per row and group of
+32, as GGUF's Q8_0 / Q5_0 are served; PyTorch's per-row int8 of the same values beside it) or
+``int4`` (groups of 32: ``quantize_int4``, PyTorch's int4 beside it). Random weights (N(0, 0.02)),
+activations N(0, 1) in the kernel table's
 activation dtype, ``--threads`` threads. Every candidate is timed in the same rounds, interleaved
 (a burst of outside load hits them alike), best of ``--rounds``; PyTorch's int8 is left out above
 ``--int8-max-rows`` (it grows linearly with the rows and already loses several times over at 64).
 
     python -m bench.micro.int8_kernels --out int8-kernels.json
+    python -m bench.micro.int8_kernels --kind int4 --shapes 960x576,576x576,3072x576,576x1536 \
+        --rows 1,4,16,32 --out int4-kernels.json
 
 ``--out NAME`` writes ``bench/results/micro/NAME`` (shapes, rows, milliseconds; no paths).
 """
@@ -18,11 +24,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from confkv_engine.model import kernels
-from confkv_engine.model.quant import quantize_int8
+from confkv_engine.model.quant import quantize_int4, quantize_int8, quantize_int8_groups
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "results" / "micro"
 # Gemma 3 270M: tied LM head, fused gate/up, fused q/k/v; SmolLM2 135M: tied LM head
@@ -41,6 +48,19 @@ def best_ms(fns: dict[str, kernels.KernelFn], x: torch.Tensor, rounds: int) -> d
     return best
 
 
+def candidates(kind: str, w: torch.Tensor, dtype: torch.dtype) -> tuple[dict[str, kernels.KernelFn], Any]:
+    """PyTorch's weight-only kernel and the dense copy for ``kind``, and the weight the native
+    kernel gets."""
+    if kind == "int4":
+        weight: Any = quantize_int4(w)
+        return {"int4": kernels.int4_kernel(weight, None, dtype),
+                "dense": kernels.dense_kernel(weight.dequantize(), None, dtype)}, weight
+    weight = quantize_int8_groups(w) if kind == "int8g" else quantize_int8(w)
+    per_row = quantize_int8(weight.dequantize())
+    return {"int8": kernels.int8_kernel(per_row, None, dtype),
+            "dense": kernels.dense_kernel(weight.dequantize(), None, dtype)}, weight
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=SHAPES, help="comma-separated NxK (out x in features)")
@@ -48,28 +68,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--int8-max-rows", type=int, default=64)
+    p.add_argument("--kind", choices=("int8", "int8g", "int4"), default="int8")
     p.add_argument("--out", help="file name under bench/results/micro")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = kernels.activation_dtype()
-    isa = kernels.native_int8_isa()
+    isa = kernels.native_int8_isa() if args.kind != "int4" else kernels.native_isa()
+    native = "q4n" if args.kind == "int4" else "q8n"
     results = []
     gen = torch.Generator().manual_seed(0)
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
-        weight = quantize_int8(torch.randn(n, k, generator=gen) * 0.02)
-        fns = {"int8": kernels.int8_kernel(weight, None, dtype),
-               "dense": kernels.dense_kernel(weight.dequantize(), None, dtype)}
+        fns, weight = candidates(args.kind, torch.randn(n, k, generator=gen) * 0.02, dtype)
         if isa is not None:
-            fns["q8n"] = kernels.q8n_kernel(weight, None, dtype)
+            fns[native] = (kernels.q4n_kernel if args.kind == "int4" else kernels.q8n_kernel)(
+                weight, None, dtype)  # type: ignore[arg-type]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=gen).to(dtype)
-            timed = {name: fn for name, fn in fns.items() if name != "int8" or rows <= args.int8_max_rows}
+            timed = {name: fn for name, fn in fns.items()
+                     if name not in ("int8", "int4") or rows <= args.int8_max_rows}
             ms = best_ms(timed, x, args.rounds)
             row = {"shape": shape, "rows": rows, "ms": ms}
-            if "q8n" in ms:
-                row["q8n_speedup"] = {name: ms[name] / ms["q8n"] for name in ms if name != "q8n"}
+            if native in ms:
+                row[f"{native}_speedup"] = {name: ms[name] / ms[native] for name in ms if name != native}
             results.append(row)
             cells = ", ".join(f"{name} {v:.3f} ms" for name, v in ms.items())
             print(f"{shape} rows {rows}: {cells}", flush=True)
@@ -77,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         OUT_DIR.mkdir(parents=True, exist_ok=True)
         meta = {"command": "python -m bench.micro.int8_kernels " + " ".join(argv),
                 "cpu": kernels.cpu_info().model, "threads": args.threads, "dtype": str(dtype),
-                "q8n_isa": isa, "rounds": args.rounds}
+                "kind": args.kind, "native_isa": isa, "rounds": args.rounds}
         (OUT_DIR / args.out).write_text(json.dumps({**meta, "results": results}, indent=2))
     return 0
 

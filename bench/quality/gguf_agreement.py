@@ -8,7 +8,8 @@ text of a fixed set the script compares
 - tokenization: ``/tokenize`` of both, without special tokens (exact equality per text);
 - greedy output: ``/v1/completions`` at temperature 0 from the same token ids (BOS included),
   reported as the length of the common prefix of the two token streams;
-- log-probabilities of the generated tokens: the largest |difference| over the common prefix
+- log-probabilities of the generated tokens: the largest and the mean |difference| over the common
+  prefix (the mean also over all texts' common tokens, in the printout)
   (llama-server has no ``echo``, so the prompt's own log-probabilities cannot be asked of it; the
   tokens it generates are scored by both).
 
@@ -96,6 +97,7 @@ def compare(confkv: str, llama: str, bos: int | None, tokens: int) -> list[dict[
         rows.append({"text": text, "tokenization_equal": ours_ids == their_ids,
                      "prompt_tokens": len(prompt), "greedy_common_prefix": common, "greedy_tokens": tokens,
                      "max_abs_logprob_diff": max(diffs, default=0.0),
+                     "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else 0.0,
                      "confkv": "".join(ours), "llama_server": "".join(theirs)})
     return rows
 
@@ -119,10 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             rows = compare(ours.url, theirs.url, bos, args.tokens)
     finally:
         theirs.__exit__(None, None, None)
-    print(f"{'text':42} {'tok=':>5} {'greedy':>7} {'max|dlp|':>9}")
+    print(f"{'text':42} {'tok=':>5} {'greedy':>7} {'max|dlp|':>9} {'mean|dlp|':>9}")
     for r in rows:
         print(f"{r['text'][:40]!r:42} {str(r['tokenization_equal']):>5} "
-              f"{r['greedy_common_prefix']:>3}/{r['greedy_tokens']:<3} {r['max_abs_logprob_diff']:9.4f}")
+              f"{r['greedy_common_prefix']:>3}/{r['greedy_tokens']:<3} {r['max_abs_logprob_diff']:9.4f} "
+              f"{r['mean_abs_logprob_diff']:9.4f}")
+    scored = sum(r["greedy_common_prefix"] for r in rows)
+    mean = sum(r["mean_abs_logprob_diff"] * r["greedy_common_prefix"] for r in rows) / max(1, scored)
+    print(f"equal to the end on {sum(r['greedy_common_prefix'] == r['greedy_tokens'] for r in rows)} of "
+          f"{len(rows)} texts; mean |dlp| over the {scored} common tokens {mean:.4f}")
     report = {"model": args.model, "gguf": str(path), "weights": args.weights, "threads": args.threads,
               "llama_server": {"binary": binary, "variant": variant, "failed_variants": failures},
               "machine": machine(), "rows": rows}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from confkv_engine.model import kernels
+from confkv_engine.model import kernels, q8native
 from confkv_engine.model.gguf_loader import dequantize
 from confkv_engine.model.gguf_reader import read_gguf
 from confkv_engine.model.loader import load_model
@@ -97,14 +97,15 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_int4_from_q4_1_within_bf16_rounding_of_dequantized(q4_1_llama):
-    """Decode steps (one row) go through the int4 kernel; its logits differ from the fp32
+    """Decode steps (one row) go through an int4 kernel; its logits differ from the fp32
     dequantized model by no more than the bf16 dense model does (plus a little)."""
     dense = load_model(str(q4_1_llama), torch.float32)
     bf16 = load_model(str(q4_1_llama), weights="bf16")
     int4 = load_model(str(q4_1_llama), weights="int4")
     layers = [m for m in int4.model.modules() if isinstance(m, QuantLinear)]
     # per layer: qkv, o, gate_up, down (q/k/v and gate/up fused); plus the LM head
-    assert len(layers) == 2 * 4 + 1 and all(m.kernel_for(1) == "int4" for m in layers if m.kind == "int4")
+    one_row = kernels.derived_choice("int4", 1, kernels.cpu_info())  # int4, or q4n where it wins
+    assert len(layers) == 2 * 4 + 1 and all(m.kernel_for(1) == one_row for m in layers if m.kind == "int4")
     assert int4.weights == "int4" and int4.dtype == kernels.activation_dtype()
     tokens = PROMPT + [5, 77, 300, 12, 9, 41]
     ref = dense_logits(dense.model, tokens, len(PROMPT))
@@ -113,13 +114,18 @@ def test_int4_from_q4_1_within_bf16_rounding_of_dequantized(q4_1_llama):
     assert int4_err <= 2 * bf16_err + 1e-3, (int4_err, bf16_err)
 
 
-def test_auto_serves_q8_0_as_int8(tmp_path):
+@pytest.mark.parametrize("native8", ["1", "0"])
+def test_auto_serves_q8_0_as_int8(tmp_path, monkeypatch, native8):
+    """Q8_0 blocks as stored (int8 with their scale per 32, ``int8g``) where the native int8 kernel
+    serves int8 weights; per-row int8 where it does not (or is switched off)."""
+    monkeypatch.setenv(q8native.SWITCH, native8)
     hf_model, _ = make_tiny_hf_model("qwen2", tmp_path)  # tied embeddings, q/k/v biases
     path = write_gguf(tmp_path / "tiny-q8.gguf", hf_model, "qwen2", Q.Q8_0)
     dense = load_model(str(path), torch.float32)
     auto = load_model(str(path), weights="auto")
     kinds = {m.kind for m in auto.model.modules() if isinstance(m, QuantLinear)}
-    assert auto.weights == "int4" and kinds == {"int8"}  # no 4-bit tensor to keep as int4
+    grouped = native8 == "1" and kernels.grouped_int8_served()
+    assert auto.weights == "int4" and kinds == ({"int8g"} if grouped else {"int8"})  # no 4-bit tensor
     assert auto.model.lm_head is not auto.model.embed_tokens  # the tied head got its own weights
     ref = dense_logits(dense.model, PROMPT, 8)
     assert _max_diff(dense_logits(auto.model, PROMPT, 8), ref) <= 0.05 * ref.abs().max().item()

@@ -1,26 +1,40 @@
-/* Native int8-weight x int8-activation matmul for CPUs: y[r, n] = wscale[n] * sum_k x[r, k] q[n, k].
+/* Native int8- and int4-weight x int8-activation matmuls for CPUs, in blocks of 16 output rows:
+   y[r, n] = sum_k x[r, k] w[n, k], w = q * scale (int8) or scale * (q - 8) + zero (int4).
 
    Why: PyTorch's int8 weight-only kernel converts every weight to bf16 and runs bf16 FMAs, so once
    a step sends many rows through a layer it is compute-bound (Gemma 3's 262,144 x 640 LM head:
-   132 ms at 32 rows, 6x its one-row time), and bf16 GEMM needs a dense copy twice the int8 size.
-   Integer dot products do four multiply-adds per 32-bit lane (dpbusd: 64 per 512-bit instruction).
+   132 ms at 32 rows, 6x its one-row time), and bf16 GEMM needs a dense copy twice the int8 size;
+   its int4 kernel wants bf16 activations and falls off its fast path without native bf16 (AVX2-only
+   CPUs). Integer dot products do four multiply-adds per 32-bit lane (dpbusd: 64 per 512-bit
+   instruction), the way llama.cpp's repacked Q8_0 / Q4 dots do (written from their description).
 
-   - weights: ``Int8Weight`` (q in -127..127, one fp32 scale per output row), repacked once at load
-     (q8native.pack, the same number of bytes) into blocks of 16 output rows: chunk c of block b
-     holds inputs 4c..4c+3 of each of the 16 rows, 64 bytes, so one 512-bit load feeds one dpbusd
+   - int8 weights: ``Int8Weight`` (q in -127..127, one fp32 scale per output row: wg = 0) or
+     ``Int8GroupWeight`` (one fp32 scale per output row and group of wg = 32 or 16 inputs: GGUF's
+     Q8_0 / Q5_0 blocks and Q6_K's sub-blocks as stored, no second rounding), repacked once at
+     load (q8native.pack, the same number of bytes) into blocks of 16 output rows: chunk c of block
+     b holds inputs 4c..4c+3 of each of the 16 rows, 64 bytes, so one 512-bit load feeds one dpbusd
      whose 16 int32 lanes are 16 different outputs: no horizontal sums, and a group's integer sums
      take their scale once per 32 x 16 multiply-adds instead of once per 64;
-   - activations: per row and group of 32, s = max|x| / 127, a = round(x / s) in -127..127 (as the
-     int4 kernel, _q4matmul.c), so an outlier channel costs precision in its own group only; each
-     row's 4-byte chunk is broadcast to all lanes;
-   - y = wscale[n] * sum_g s[r, g] * dot(q[n, g], a[r, g]), exact int32 dots, fp32 accumulation.
+   - int4 weights (``Int4Weight``, groups of 32: GGUF's Q4_0 / Q4_1 / Q4_K exactly), repacked
+     (q8native.pack_int4) into the same blocks at half the bytes: chunk c holds inputs 8c..8c+7 of
+     the 16 rows (``chunk4``), so one load feeds two dpbusd, the low nibbles and the high ones;
+   - activations: per row and group of 32, s = max|x| / 127, a = round(x / s) in -127..127, so an
+     outlier channel costs precision in its own group only; each row's 4-byte chunk is broadcast
+     to all lanes;
+   - int8: y = sum_g s[r, g] * wscale[n(, g)] * dot(q[n, g], a[r, g]); int4: y = sum_g s[r, g] *
+     scale[n, g] * dot(q[n, g] - 8, a[r, g]) + zero[n, g] * (exact fp32 sum of the group's x), so
+     the activations' rounding meets only the centred codes (half the error of q in 0..15 for
+     asymmetric groups) and none of it the zero term. Exact int32 dots, fp32 accumulation.
 
-   u8 x s8: dpbusd multiplies unsigned by signed bytes. The weights are flipped to unsigned as they
-   are loaded (q ^ 0x80 = q + 128, once per load, shared by every activation row of the tile),
-   which adds 128 * sum_j a_j to each group's dot; with a per-row weight scale, the sum over groups
-   of s[g] * 128 * sum_j a[g, j] depends on the activation row only, so it is computed once per row
-   at quantization (``off``) and taken out at the end. AVX2's maddubs saturates its int16 pairs, so
-   that path uses the sign trick instead: maddubs(|a|, sign(q, a)), at most 2 * 127 * 127 < 32767.
+   u8 x s8: dpbusd multiplies unsigned by signed bytes. Int4 codes are unsigned already. Int8
+   weights are flipped to unsigned as they are loaded (q ^ 0x80 = q + 128, once per load, shared by
+   every activation row of the tile), which adds 128 * sum_j a_j to each group's dot; with a
+   per-row weight scale, the sum over groups of s[g] * 128 * sum_j a[g, j] depends on the
+   activation row only, so it is computed once per row at quantization (``off``) and taken out at
+   the end. With per-group weight scales it is not: each group's int32 dot loses 128 * sum_j a_j
+   (``sum16``, per 16 codes) before its conversion, one integer subtract per group. AVX2's maddubs
+   saturates its int16 pairs, so that path uses the sign trick for int8: maddubs(|a|, sign(q, a)),
+   at most 2 * 127 * 127 < 32767 (int4 needs none: 2 * 15 * 127).
 
    Paths, chosen by the caller (kernels.py reads the CPU flags) and re-checked here: AVX-512 VNNI
    (a block by up to RT activation rows: each weight chunk loaded once per tile), AVX2+FMA (4 rows
@@ -37,38 +51,51 @@
 #define RT 8 /* activation rows per tile */
 #define AVX2_ROWS 4 /* of which the AVX2 path takes at a time (16 registers) */
 
-typedef struct {      /* quantized activations, rows x k */
-    const int8_t *q;  /* [rows, k] */
-    const float *s;   /* [rows, k / 32] each group's scale */
-    const float *off; /* [rows] 128 * sum_g s[g] * sum_j a[g, j]: what the unsigned flip adds */
+typedef struct {          /* quantized activations, rows x k */
+    const int8_t *q;      /* [rows, k] */
+    const float *s;       /* [rows, k / 32] each group's scale */
+    const float *off;     /* [rows] 128 * sum_g s[g] * sum_j a[g, j]: what the unsigned flip adds */
+    const int32_t *sum16; /* [rows, k / 16] sum of each 16 codes (the flip's share per weight group) */
+    const float *xsum;    /* [rows, k / 32] exact fp32 sum of each group's x (4-bit weights' zero term) */
     int64_t k;
 } Acts8;
 
 typedef struct { /* packed weights: [n / 16][k / 4][16][4] int8 (see the header comment) */
     const int8_t *q;
-    const float *scale; /* [n rounded up to 16] */
+    const float *scale; /* wg 0: [n rounded up to 16]; else [n / 16][k / wg][16], a block's 16 rows together */
     int64_t k;
+    int wg; /* inputs per weight scale: 0 (the whole row), 16 or 32 */
+    const float *zero; /* 4-bit weights only (wg 32): [n / 16][k / 32][16], w = scale * (q - 8) + zero */
 } W8;
+
+/* The 16 scales of weight block b's group h (wg > 0). */
+static inline const float *group_scales(const W8 *w, int64_t b, int64_t h) {
+    return w->scale + (b * (w->k / w->wg) + h) * 16;
+}
 
 /* One row of activations -> int8 groups, their scales and the row's offset. */
 static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_t *q, float *s,
-                         float *off) {
+                         float *off, int32_t *sum16, float *xsum) {
     float buf[GROUP];
     double total = 0.0;
     for (int64_t g = 0; g < k / GROUP; g++) {
-        float amax = 0.f;
+        float amax = 0.f, exact = 0.f;
         for (int j = 0; j < GROUP; j++) {
             buf[j] = load_x(x, dtype, row * k + g * GROUP + j);
             amax = fmaxf(amax, fabsf(buf[j]));
+            exact += buf[j];
         }
+        xsum[g] = exact;
         float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t codes = 0;
+        int32_t half[2] = {0, 0};
         for (int j = 0; j < GROUP; j++) {
             q[g * GROUP + j] = (int8_t)nearbyintf(buf[j] * inv);
-            codes += q[g * GROUP + j];
+            half[j / 16] += q[g * GROUP + j];
         }
         s[g] = scale;
-        total += (double)scale * codes;
+        sum16[2 * g] = half[0];
+        sum16[2 * g + 1] = half[1];
+        total += (double)scale * (half[0] + half[1]);
     }
     *off = (float)(128.0 * total);
 }
@@ -82,22 +109,58 @@ static inline const int8_t *chunk(const W8 *w, int64_t b, int64_t c) {
 
 typedef void (*TileFn)(const W8 *, int64_t, const Acts8 *, int64_t, int, void *, int, int64_t);
 
-/* Weight block b against activation rows r0 .. r0 + rows - 1; outputs past n are not stored. */
-static void tile_scalar(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
-                        int y_dtype, int64_t n) {
+/* The 64 bytes of 4-bit weight block b's chunk c: inputs 8c .. 8c + 7 of its 16 rows, byte 4 l + i
+   holding input 8c + i of row 16 b + l in its low nibble and input 8c + 4 + i in its high one. */
+static inline const uint8_t *chunk4(const W8 *w, int64_t b, int64_t c) {
+    return (const uint8_t *)w->q + (b * (w->k / 8) + c) * 64;
+}
+
+/* 4-bit weights, scalar: per group, s * d * (dot - 8 * sum a) + z * (exact sum of x). */
+static void tile4_scalar(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
+                         int y_dtype, int64_t n) {
     const int64_t k = w->k, groups = k / GROUP;
     for (int r = 0; r < rows; r++) {
         const int8_t *aq = a->q + (r0 + r) * k;
         float acc[16] = {0};
         for (int64_t g = 0; g < groups; g++) {
             int32_t dot[16] = {0};
-            for (int64_t c = g * 8; c < g * 8 + 8; c++)
+            for (int64_t c = g * 4; c < g * 4 + 4; c++)
                 for (int l = 0; l < 16; l++)
-                    for (int i = 0; i < 4; i++) dot[l] += chunk(w, b, c)[l * 4 + i] * aq[c * 4 + i];
-            for (int l = 0; l < 16; l++) acc[l] += a->s[(r0 + r) * groups + g] * (float)dot[l];
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = chunk4(w, b, c)[l * 4 + i];
+                        dot[l] += (byte & 15) * aq[c * 8 + i] + (byte >> 4) * aq[c * 8 + 4 + i];
+                    }
+            const int32_t *sums = a->sum16 + (r0 + r) * (k / 16) + 2 * g;
+            const int32_t asum = sums[0] + sums[1];
+            const float *d = group_scales(w, b, g), *z = w->zero + (b * groups + g) * 16;
+            for (int l = 0; l < 16; l++)
+                acc[l] += a->s[(r0 + r) * groups + g] * d[l] * (float)(dot[l] - 8 * asum)
+                          + z[l] * a->xsum[(r0 + r) * groups + g];
         }
+        for (int l = 0; l < 16 && b * 16 + l < n; l++) store_y(y, y_dtype, (r0 + r) * n + b * 16 + l, acc[l]);
+    }
+}
+
+/* Weight block b against activation rows r0 .. r0 + rows - 1; outputs past n are not stored. */
+static void tile_scalar(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
+                        int y_dtype, int64_t n) {
+    const int64_t k = w->k, groups = k / GROUP;
+    const int parts = w->wg == 16 ? 2 : 1, span = 8 / parts; /* weight groups per activation group */
+    for (int r = 0; r < rows; r++) {
+        const int8_t *aq = a->q + (r0 + r) * k;
+        float acc[16] = {0};
+        for (int64_t g = 0; g < groups; g++)
+            for (int h = 0; h < parts; h++) {
+                int32_t dot[16] = {0};
+                for (int64_t c = g * 8 + h * span; c < g * 8 + (h + 1) * span; c++)
+                    for (int l = 0; l < 16; l++)
+                        for (int i = 0; i < 4; i++) dot[l] += chunk(w, b, c)[l * 4 + i] * aq[c * 4 + i];
+                const float *ws = w->wg ? group_scales(w, b, g * parts + h) : NULL;
+                for (int l = 0; l < 16; l++)
+                    acc[l] += a->s[(r0 + r) * groups + g] * (ws ? ws[l] : 1.f) * (float)dot[l];
+            }
         for (int l = 0; l < 16 && b * 16 + l < n; l++)
-            store_y(y, y_dtype, (r0 + r) * n + b * 16 + l, w->scale[b * 16 + l] * acc[l]);
+            store_y(y, y_dtype, (r0 + r) * n + b * 16 + l, (w->wg ? 1.f : w->scale[b * 16 + l]) * acc[l]);
     }
 }
 
@@ -115,99 +178,239 @@ static inline int32_t load4(const int8_t *p) {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-/* One block (16 outputs, two registers of 8) by `rows` activation rows (a constant once inlined).
-   Sign trick: maddubs(|a|, sign(w, a)) pairs stay within int16 (2 * 127 * 127). */
+/* One block (16 outputs, two registers of 8) by `rows` activation rows, `wg` as W8's (both
+   constants once inlined). Sign trick: maddubs(|a|, sign(w, a)) pairs stay within int16
+   (2 * 127 * 127), so there is no unsigned flip to take out. */
 static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t b, const Acts8 *a,
-                                                            int64_t r0, const int rows, __m256 out[2][RT]) {
+                                                            int64_t r0, const int rows, const int wg,
+                                                            __m256 out[2][RT]) {
     const int64_t k = w->k, groups = k / GROUP;
+    const int parts = wg == 16 ? 2 : 1, span = 8 / parts;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256i dot[2][RT];
-        for (int r = 0; r < rows; r++) dot[0][r] = dot[1][r] = _mm256_setzero_si256();
-        for (int64_t c = g * 8; c < g * 8 + 8; c++) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)chunk(w, b, c));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(chunk(w, b, c) + 32));
+    for (int64_t g = 0; g < groups; g++)
+        for (int h = 0; h < parts; h++) {
+            __m256i dot[2][RT];
+            for (int r = 0; r < rows; r++) dot[0][r] = dot[1][r] = _mm256_setzero_si256();
+            for (int64_t c = g * 8 + h * span; c < g * 8 + (h + 1) * span; c++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)chunk(w, b, c));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(chunk(w, b, c) + 32));
+                for (int r = 0; r < rows; r++) {
+                    const __m256i av = _mm256_set1_epi32(load4(a->q + (r0 + r) * k + c * 4));
+                    const __m256i aabs = _mm256_abs_epi8(av);
+                    const __m256i p0 = _mm256_maddubs_epi16(aabs, _mm256_sign_epi8(w0, av));
+                    const __m256i p1 = _mm256_maddubs_epi16(aabs, _mm256_sign_epi8(w1, av));
+                    dot[0][r] = _mm256_add_epi32(dot[0][r], _mm256_madd_epi16(p0, ones));
+                    dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(p1, ones));
+                }
+            }
+            __m256 ws0 = _mm256_set1_ps(1.f), ws1 = ws0;
+            if (wg) {
+                ws0 = _mm256_loadu_ps(group_scales(w, b, g * parts + h));
+                ws1 = _mm256_loadu_ps(group_scales(w, b, g * parts + h) + 8);
+            }
             for (int r = 0; r < rows; r++) {
-                const __m256i av = _mm256_set1_epi32(load4(a->q + (r0 + r) * k + c * 4));
-                const __m256i aabs = _mm256_abs_epi8(av);
-                const __m256i p0 = _mm256_maddubs_epi16(aabs, _mm256_sign_epi8(w0, av));
-                const __m256i p1 = _mm256_maddubs_epi16(aabs, _mm256_sign_epi8(w1, av));
-                dot[0][r] = _mm256_add_epi32(dot[0][r], _mm256_madd_epi16(p0, ones));
-                dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(p1, ones));
+                const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
+                out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), wg ? _mm256_mul_ps(ws0, s) : s, out[0][r]);
+                out[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][r]), wg ? _mm256_mul_ps(ws1, s) : s, out[1][r]);
             }
         }
-        for (int r = 0; r < rows; r++) {
-            const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
-            out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), s, out[0][r]);
-            out[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][r]), s, out[1][r]);
-        }
-    }
 }
+
+#define AVX2_ROWS_CASES(WG)                                                       \
+    switch (count) {                                                              \
+    case 1: avx2_body(w, b, a, r0 + r1, 1, WG, out); break;                       \
+    case 2: avx2_body(w, b, a, r0 + r1, 2, WG, out); break;                       \
+    case 3: avx2_body(w, b, a, r0 + r1, 3, WG, out); break;                       \
+    default: avx2_body(w, b, a, r0 + r1, AVX2_ROWS, WG, out); break;              \
+    }
 
 static void tile_avx2(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
                       int y_dtype, int64_t n) {
     __m256 out[2][RT];
     for (int r1 = 0; r1 < rows; r1 += AVX2_ROWS) { /* 16 ymm registers: 4 rows at a time */
         const int count = rows - r1 < AVX2_ROWS ? rows - r1 : AVX2_ROWS;
-        switch (count) {
-        case 1: avx2_body(w, b, a, r0 + r1, 1, out); break;
-        case 2: avx2_body(w, b, a, r0 + r1, 2, out); break;
-        case 3: avx2_body(w, b, a, r0 + r1, 3, out); break;
-        default: avx2_body(w, b, a, r0 + r1, AVX2_ROWS, out); break;
-        }
+        if (w->wg == 0) AVX2_ROWS_CASES(0) else if (w->wg == 16) AVX2_ROWS_CASES(16) else AVX2_ROWS_CASES(32)
         for (int r = 0; r < count; r++) {
             float v[16];
-            _mm256_storeu_ps(v, _mm256_mul_ps(out[0][r], _mm256_loadu_ps(w->scale + b * 16)));
-            _mm256_storeu_ps(v + 8, _mm256_mul_ps(out[1][r], _mm256_loadu_ps(w->scale + b * 16 + 8)));
+            if (w->wg == 0) {
+                out[0][r] = _mm256_mul_ps(out[0][r], _mm256_loadu_ps(w->scale + b * 16));
+                out[1][r] = _mm256_mul_ps(out[1][r], _mm256_loadu_ps(w->scale + b * 16 + 8));
+            }
+            _mm256_storeu_ps(v, out[0][r]);
+            _mm256_storeu_ps(v + 8, out[1][r]);
             for (int l = 0; l < 16 && b * 16 + l < n; l++)
                 store_y(y, y_dtype, (r0 + r1 + r) * n + b * 16 + l, v[l]);
         }
     }
 }
+/* 4-bit weights: the nibbles are unsigned (0..15), so maddubs(w, a) needs no sign trick (a pair is at
+   most 2 * 15 * 127; the low and high nibbles' pairs are added in int16, at most 7,620). */
+static inline __attribute__((always_inline)) void avx2_body4(const W8 *w, int64_t b, const Acts8 *a,
+                                                             int64_t r0, const int rows, __m256 out[2][RT]) {
+    const int64_t k = w->k, groups = k / GROUP;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+    for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i dot[2][RT];
+        for (int r = 0; r < rows; r++) dot[0][r] = dot[1][r] = _mm256_setzero_si256();
+        for (int64_t c = g * 4; c < g * 4 + 4; c++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)chunk4(w, b, c));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(chunk4(w, b, c) + 32));
+            const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+            const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *ap = a->q + (r0 + r) * k + c * 8;
+                const __m256i alo = _mm256_set1_epi32(load4(ap)), ahi = _mm256_set1_epi32(load4(ap + 4));
+                const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, alo), _mm256_maddubs_epi16(hi0, ahi));
+                const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, alo), _mm256_maddubs_epi16(hi1, ahi));
+                dot[0][r] = _mm256_add_epi32(dot[0][r], _mm256_madd_epi16(p0, ones));
+                dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        const float *d = group_scales(w, b, g), *z = w->zero + (b * groups + g) * 16;
+        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+        const __m256 z0 = _mm256_loadu_ps(z), z1 = _mm256_loadu_ps(z + 8);
+        for (int r = 0; r < rows; r++) {
+            const int32_t *sums = a->sum16 + (r0 + r) * (k / 16) + 2 * g;
+            const int32_t asum = sums[0] + sums[1];
+            const __m256i off = _mm256_set1_epi32(8 * asum);
+            const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
+            const __m256 xs = _mm256_set1_ps(a->xsum[(r0 + r) * groups + g]);
+            const __m256 i0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[0][r], off)));
+            const __m256 i1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[1][r], off)));
+            out[0][r] = _mm256_fmadd_ps(z0, xs, _mm256_fmadd_ps(i0, s, out[0][r]));
+            out[1][r] = _mm256_fmadd_ps(z1, xs, _mm256_fmadd_ps(i1, s, out[1][r]));
+        }
+    }
+}
+
+static void tile4_avx2(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
+                       int y_dtype, int64_t n) {
+    __m256 out[2][RT];
+    for (int r1 = 0; r1 < rows; r1 += AVX2_ROWS) {
+        const int count = rows - r1 < AVX2_ROWS ? rows - r1 : AVX2_ROWS;
+        switch (count) {
+        case 1: avx2_body4(w, b, a, r0 + r1, 1, out); break;
+        case 2: avx2_body4(w, b, a, r0 + r1, 2, out); break;
+        case 3: avx2_body4(w, b, a, r0 + r1, 3, out); break;
+        default: avx2_body4(w, b, a, r0 + r1, AVX2_ROWS, out); break;
+        }
+        for (int r = 0; r < count; r++) {
+            float v[16];
+            _mm256_storeu_ps(v, out[0][r]);
+            _mm256_storeu_ps(v + 8, out[1][r]);
+            for (int l = 0; l < 16 && b * 16 + l < n; l++)
+                store_y(y, y_dtype, (r0 + r1 + r) * n + b * 16 + l, v[l]);
+        }
+    }
+}
+
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
-/* One block (16 outputs in the 16 int32 lanes) by `rows` activation rows (a constant once
-   inlined): per 4-byte chunk, one weight load (flipped to unsigned, shared by the rows) and one
-   dpbusd per row against the row's 4 activation bytes broadcast; the int32 sums of a group take
-   its scale once (one convert and one fma per 32 * 16 multiply-adds per row). */
+/* One block (16 outputs in the 16 int32 lanes) by `rows` activation rows, `wg` as W8's (both
+   constants once inlined): per 4-byte chunk, one weight load (flipped to unsigned, shared by the
+   rows) and one dpbusd per row against the row's 4 activation bytes broadcast; the int32 sums of a
+   group take their scale once (one convert and one fma per 32 * 16 multiply-adds per row). */
 static inline __attribute__((always_inline)) void vnni_body(const W8 *w, int64_t b, const Acts8 *a,
-                                                            int64_t r0, const int rows, __m512 out[RT]) {
+                                                            int64_t r0, const int rows, const int wg,
+                                                            __m512 out[RT]) {
     const int64_t k = w->k, groups = k / GROUP;
+    const int parts = wg == 16 ? 2 : 1, span = 8 / parts;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i dot[RT];
-        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
-        for (int64_t c = g * 8; c < g * 8 + 8; c++) {
-            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(chunk(w, b, c)), flip);
-            for (int r = 0; r < rows; r++)
-                dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_set1_epi32(load4(a->q + (r0 + r) * k + c * 4)));
+    for (int64_t g = 0; g < groups; g++)
+        for (int h = 0; h < parts; h++) {
+            __m512i dot[RT];
+            for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+            for (int64_t c = g * 8 + h * span; c < g * 8 + (h + 1) * span; c++) {
+                const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(chunk(w, b, c)), flip);
+                for (int r = 0; r < rows; r++)
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], wv,
+                                                 _mm512_set1_epi32(load4(a->q + (r0 + r) * k + c * 4)));
+            }
+            if (wg == 0) {
+                for (int r = 0; r < rows; r++)
+                    out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                                             _mm512_set1_ps(a->s[(r0 + r) * groups + g]), out[r]);
+                continue;
+            }
+            const __m512 ws = _mm512_loadu_ps(group_scales(w, b, g * parts + h));
+            for (int r = 0; r < rows; r++) {
+                const int32_t *sums = a->sum16 + (r0 + r) * (k / 16) + 2 * g;
+                const int32_t flipped = 128 * (wg == 16 ? sums[h] : sums[0] + sums[1]);
+                const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(flipped));
+                out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
+                                         _mm512_mul_ps(ws, _mm512_set1_ps(a->s[(r0 + r) * groups + g])), out[r]);
+            }
         }
-        for (int r = 0; r < rows; r++)
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(a->s[(r0 + r) * groups + g]),
-                                     out[r]);
-    }
+    if (wg) return;
     const __m512 scale = _mm512_loadu_ps(w->scale + b * 16);
     for (int r = 0; r < rows; r++)
         out[r] = _mm512_mul_ps(_mm512_sub_ps(out[r], _mm512_set1_ps(a->off[r0 + r])), scale);
 }
 
+#define VNNI_ROWS_CASES(WG)                                                       \
+    switch (rows) {                                                               \
+    case 1: vnni_body(w, b, a, r0, 1, WG, out); break;                            \
+    case 2: vnni_body(w, b, a, r0, 2, WG, out); break;                            \
+    case 3: vnni_body(w, b, a, r0, 3, WG, out); break;                            \
+    case 4: vnni_body(w, b, a, r0, 4, WG, out); break;                            \
+    case 5: vnni_body(w, b, a, r0, 5, WG, out); break;                            \
+    case 6: vnni_body(w, b, a, r0, 6, WG, out); break;                            \
+    case 7: vnni_body(w, b, a, r0, 7, WG, out); break;                            \
+    default: vnni_body(w, b, a, r0, RT, WG, out); break;                          \
+    }
+
+/* 4-bit weights: one load of a chunk feeds two dpbusd per row (low nibbles against the row's first
+   4 bytes, high nibbles against the next 4); the nibbles are unsigned already, so there is no flip;
+   each group's int32 sums take s * d * (dot - 8 * sum a), and z meets the exact sum of the group's
+   x (the header says why). */
+static inline __attribute__((always_inline)) void vnni_body4(const W8 *w, int64_t b, const Acts8 *a,
+                                                             int64_t r0, const int rows, __m512 out[RT]) {
+    const int64_t k = w->k, groups = k / GROUP;
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i dot[RT];
+        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        for (int64_t c = g * 4; c < g * 4 + 4; c++) {
+            const __m512i v = _mm512_loadu_si512(chunk4(w, b, c));
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *ap = a->q + (r0 + r) * k + c * 8;
+                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load4(ap)));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load4(ap + 4)));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(group_scales(w, b, g)), z = _mm512_loadu_ps(w->zero + (b * groups + g) * 16);
+        for (int r = 0; r < rows; r++) {
+            const int32_t *sums = a->sum16 + (r0 + r) * (k / 16) + 2 * g;
+            const int32_t asum = sums[0] + sums[1];
+            const __m512 centred = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], _mm512_set1_epi32(8 * asum))));
+            out[r] = _mm512_fmadd_ps(centred, _mm512_set1_ps(a->s[(r0 + r) * groups + g]), out[r]);
+            out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(a->xsum[(r0 + r) * groups + g]), out[r]);
+        }
+    }
+}
+
 static void tile_vnni(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
                       int y_dtype, int64_t n) {
     __m512 out[RT];
-    switch (rows) {
-    case 1: vnni_body(w, b, a, r0, 1, out); break;
-    case 2: vnni_body(w, b, a, r0, 2, out); break;
-    case 3: vnni_body(w, b, a, r0, 3, out); break;
-    case 4: vnni_body(w, b, a, r0, 4, out); break;
-    case 5: vnni_body(w, b, a, r0, 5, out); break;
-    case 6: vnni_body(w, b, a, r0, 6, out); break;
-    case 7: vnni_body(w, b, a, r0, 7, out); break;
-    default: vnni_body(w, b, a, r0, RT, out); break;
-    }
+    if (w->zero != NULL) {
+        switch (rows) {
+        case 1: vnni_body4(w, b, a, r0, 1, out); break;
+        case 2: vnni_body4(w, b, a, r0, 2, out); break;
+        case 3: vnni_body4(w, b, a, r0, 3, out); break;
+        case 4: vnni_body4(w, b, a, r0, 4, out); break;
+        case 5: vnni_body4(w, b, a, r0, 5, out); break;
+        case 6: vnni_body4(w, b, a, r0, 6, out); break;
+        case 7: vnni_body4(w, b, a, r0, 7, out); break;
+        default: vnni_body4(w, b, a, r0, RT, out); break;
+        }
+    } else if (w->wg == 0) VNNI_ROWS_CASES(0) else if (w->wg == 16) VNNI_ROWS_CASES(16) else VNNI_ROWS_CASES(32)
     for (int r = 0; r < rows; r++) {
         if (b * 16 + 16 > n) { /* the last, partial block */
             float v[16];
@@ -229,52 +432,78 @@ static void tile_vnni(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int ro
 #define HAVE_X86 0
 #endif
 
-static TileFn tile_fn(int isa) {
+/* The tile of path `isa` for 8-bit (four = 0) or 4-bit weights; NULL when the CPU lacks it. */
+static TileFn tile_fn(int isa, int four) {
 #if HAVE_X86
     __builtin_cpu_init();
     if (isa == ISA_VNNI && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512vl"))
         return tile_vnni;
     if (isa == ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return tile_avx2;
+        return four ? tile4_avx2 : tile_avx2;
 #endif
-    return isa == ISA_SCALAR ? tile_scalar : NULL;
+    if (isa != ISA_SCALAR) return NULL;
+    return four ? tile4_scalar : tile_scalar;
 }
 
 /* ------------------------------------------------------------------ entry point */
 
-/* y [rows, n] (dtype y_dtype) = x [rows, k] (x_dtype) times (wq * wscale[:, None])'s transpose.
-   Returns 0, or -1 when the CPU lacks the ISA asked for, -2 when k is not a multiple of 32,
-   -3 when scratch memory cannot be had. */
-int confkv_q8_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const int8_t *wq,
-                     const float *wscale, int64_t n, void *y, int y_dtype, int isa, int threads) {
-    TileFn tile = tile_fn(isa);
+/* Quantizes x's rows, then runs weight blocks x tiles of RT activation rows; the error codes of the
+   entry points. */
+static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n, void *y, int y_dtype,
+               int isa, int threads) {
+    const int64_t k = w->k;
+    TileFn tile = tile_fn(isa, w->zero != NULL);
     if (tile == NULL) return -1;
     if (k % GROUP) return -2;
+    if (w->wg != 0 && w->wg != 16 && w->wg != 32) return -4;
     const int64_t groups = k / GROUP;
     int8_t *aq = malloc((size_t)(rows * k));
-    float *s = malloc(sizeof(float) * (size_t)(rows * groups + rows));
-    if (aq == NULL || s == NULL) { free(aq); free(s); return -3; }
-    float *off = s + rows * groups;
-    for (int64_t r = 0; r < rows; r++) quantize_row(x, x_dtype, r, k, aq + r * k, s + r * groups, off + r);
-    const W8 w = {wq, wscale, k};
-    const Acts8 a = {aq, s, off, k};
+    float *s = malloc(sizeof(float) * (size_t)(2 * rows * groups + rows));
+    int32_t *sum16 = malloc(sizeof(int32_t) * (size_t)(rows * (k / 16)));
+    if (aq == NULL || s == NULL || sum16 == NULL) { free(aq); free(s); free(sum16); return -3; }
+    float *off = s + rows * groups, *xsum = off + rows;
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x, x_dtype, r, k, aq + r * k, s + r * groups, off + r, sum16 + r * (k / 16),
+                     xsum + r * groups);
+    const Acts8 a = {aq, s, off, sum16, xsum, k};
     const int64_t blocks = (n + 15) / 16;
     /* Each thread owns a range of weight blocks (each weight read from memory once); inside a
        block the activation rows go in tiles of RT, the block's weights staying in L1. */
     #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t r0 = 0; r0 < rows; r0 += RT)
-            tile(&w, b, &a, r0, rows - r0 < RT ? (int)(rows - r0) : RT, y, y_dtype, n);
+            tile(w, b, &a, r0, rows - r0 < RT ? (int)(rows - r0) : RT, y, y_dtype, n);
     free(aq);
     free(s);
+    free(sum16);
     return 0;
+}
+
+/* y [rows, n] (dtype y_dtype) = x [rows, k] (x_dtype) times the weights' transpose, the weights
+   wq scaled by wscale per row (wgroup 0) or per row and group of wgroup (16 or 32) inputs.
+   Returns 0, or -1 when the CPU lacks the ISA asked for, -2 when k is not a multiple of 32,
+   -3 when scratch memory cannot be had, -4 for another wgroup. */
+int confkv_q8_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const int8_t *wq,
+                     const float *wscale, int wgroup, int64_t n, void *y, int y_dtype, int isa,
+                     int threads) {
+    const W8 w = {wq, wscale, k, wgroup, NULL};
+    return run(&w, x, x_dtype, rows, n, y, y_dtype, isa, threads);
+}
+
+/* The same for 4-bit weights w = scale * (q - 8) + zero per row and group of 32, q in 0..15 packed
+   as chunk4 says, scale and zero [n / 16][k / 32][16]. */
+int confkv_q4i_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const uint8_t *wq,
+                      const float *wscale, const float *wzero, int64_t n, void *y, int y_dtype, int isa,
+                      int threads) {
+    const W8 w = {(const int8_t *)wq, wscale, k, GROUP, wzero};
+    return run(&w, x, x_dtype, rows, n, y, y_dtype, isa, threads);
 }
 
 /* Which paths this CPU can run: bit ISA set for each (the scalar one always). */
 int confkv_q8_supported(void) {
     int bits = 1 << ISA_SCALAR;
     for (int isa = ISA_AVX2; isa <= ISA_VNNI; isa++)
-        if (tile_fn(isa) != NULL) bits |= 1 << isa;
+        if (tile_fn(isa, 0) != NULL) bits |= 1 << isa;
     return bits;
 }

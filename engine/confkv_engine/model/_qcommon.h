@@ -1,4 +1,4 @@
-/* What the native matmuls (_q4matmul.c, _q8matmul.c) share: the activation group, the codes of
+/* What the native matmuls (_q8matmul.c) and their callers share: the activation group, the codes of
    the ISA paths and dtypes their Python callers pass, and reading / writing fp32 or bf16 elements.
    Not a public header. */
 

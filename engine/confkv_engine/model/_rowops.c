@@ -1,4 +1,4 @@
-/* Row-wise elementwise blocks of the decoder layers in one call each (built into the _q4matmul
+/* Row-wise elementwise blocks of the decoder layers in one call each (built into the _native
    library; loaded by rowops.py).
 
    Why: at one decode row each of these is a few hundred elements of work, while the PyTorch ops

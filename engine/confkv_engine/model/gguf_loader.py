@@ -29,9 +29,12 @@ from confkv_engine.model.gguf_reader import GGUFContents, GGUFTensor, read_gguf
 from confkv_engine.model.llama import ModelArgs, rope_inv_freq
 from confkv_engine.model.quant import (
     DENSE_K_TYPES,
+    GROUPED_INT8_TYPES,
     INT4_TYPES,
     Int4Weight,
+    Int8GroupWeight,
     Int8Weight,
+    int8_groups,
     int8_keeps_dense,
     quantize_int8,
     unpack_q4,
@@ -46,7 +49,7 @@ SUPPORTED_TYPES = frozenset(
 
 _CHUNK_ELEMENTS = 1 << 22
 _DENSE_SERVED = frozenset({"F32", "F16", "BF16", *DENSE_K_TYPES})
-QuantWeight = Int4Weight | Int8Weight
+QuantWeight = Int4Weight | Int8Weight | Int8GroupWeight
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -273,24 +276,29 @@ def has_quantized_linears(model: GGUFModel) -> bool:
     return any(t.type_name not in ("F32", "F16", "BF16") for _, t in _linear_sources(model))
 
 
-def quantized_linears(model: GGUFModel, prefer_int4: bool) -> dict[str, QuantWeight]:
+def quantized_linears(model: GGUFModel, prefer_int4: bool,
+                      grouped_int8: bool = False) -> dict[str, QuantWeight]:
     """Linear weights stored quantized in the file, converted without an fp32 model copy: Q4_0 /
-    Q4_1 / Q4_K -> exact int4 groups when ``prefer_int4``; Q5_K / Q6_K are left out (served dense:
-    requantizing them would round them a second time); every other quantized type (and the 4-bit
-    ones when not) -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are left out,
-    and so are the ``quant.INT8_DENSE_LINEARS`` when not ``prefer_int4`` (the ``int8`` mode)."""
+    Q4_1 / Q4_K -> exact int4 groups when ``prefer_int4``; Q8_0 / Q5_0 / Q6_K -> exact int8 groups
+    (``Int8GroupWeight``) when ``grouped_int8`` (the native int8 kernel serves them); Q5_K / Q6_K
+    are otherwise left out (served dense: requantizing them would round them a second time); every
+    other quantized type -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are
+    left out, and so are the ``quant.INT8_DENSE_LINEARS`` when not ``prefer_int4`` (the ``int8``
+    mode)."""
     out: dict[str, QuantWeight] = {}
     permuted = model.architecture == "llama"
     for path, tensor in _linear_sources(model):
-        if tensor.type_name in _DENSE_SERVED or (not prefer_int4 and int8_keeps_dense(path)):
+        kind = tensor.type_name
+        grouped = grouped_int8 and kind in GROUPED_INT8_TYPES
+        if (kind in _DENSE_SERVED and not grouped) or (not prefer_int4 and int8_keeps_dense(path)):
             continue
         order = _row_order(path, tensor.shape[0], model.args, permuted)
         weight: QuantWeight
-        if prefer_int4 and tensor.type_name in INT4_TYPES:
-            weight = unpack_q4(tensor.data, tensor.type_name, tensor.shape[-1])
-            weight = weight if order is None else weight.permute_rows(order)
+        if prefer_int4 and kind in INT4_TYPES:
+            weight = unpack_q4(tensor.data, kind, tensor.shape[-1])
+        elif grouped:
+            weight = int8_groups(tensor.data, kind, dequantize(tensor))
         else:
-            dense = torch.from_numpy(dequantize(tensor))
-            weight = quantize_int8(dense if order is None else dense[order])
-        out[path] = weight
+            weight = quantize_int8(torch.from_numpy(dequantize(tensor)))
+        out[path] = weight if order is None else weight.permute_rows(order)
     return out

@@ -6,12 +6,14 @@ than it saves once the matmul is compute-bound, where oneDNN's bf16 GEMM (AMX / 
 dense copy of the same values wins. So every quantized linear keeps the representations that win
 somewhere and dispatches on ``x.shape[0]``.
 
-Candidates for an int4 weight: ``q4n``, the project's native kernel (``q4native``: int8 activations,
-integer dot products, AVX2 / AVX-512 VNNI / scalar paths; present when the optional C library was
-built), PyTorch's weight-only ``int4`` (fast with bf16 activations on CPUs that compute bf16
-natively, slow without), and ``dense``. For int8 weights: ``q8n``, the native int8 x int8 kernel
-(``q8native``: same library, its weights repacked once into 16-row blocks), PyTorch's weight-only
-``int8`` and ``dense``.
+Candidates for an int4 weight: ``q4n``, the project's native kernel (``q8native.pack_int4``: 16-row
+blocks of nibbles, int8 activations, integer dot products, AVX2 / AVX-512 VNNI / scalar paths;
+present when the optional C library was built), PyTorch's weight-only ``int4`` (fast with bf16
+activations on CPUs that compute bf16 natively, slow without), and ``dense``. For int8 weights:
+``q8n``, the native int8 x int8 kernel (``q8native``: same library and blocks), PyTorch's
+weight-only ``int8`` and ``dense``. Int8 weights with a scale per group (``int8g``: GGUF's Q8_0 /
+Q5_0 / Q6_K as stored) are read by ``q8n`` only (or a dense copy); the loader makes them only where
+``grouped_int8_served`` says ``q8n`` serves int8 at every row count.
 
 The table (kernel per row bucket per layer shape) is **derived** from what the CPU reports
 (``torch.backends.cpu.get_cpu_capability()`` and the flags in ``/proc/cpuinfo``) or **measured** at
@@ -45,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from confkv_engine.model import q4native, q8native
-from confkv_engine.model.quant import Int4Weight, Int8Weight, int4_scales_and_zeros
+from confkv_engine.model import native, q8native
+from confkv_engine.model.quant import Int4Weight, Int8GroupWeight, Int8Weight, int4_scales_and_zeros
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +126,21 @@ def int4_kernel(weight: Int4Weight, bias: Tensor | None, dtype: torch.dtype) -> 
 
 def native_isa(info: CpuInfo | None = None) -> str | None:
     """The native int4 kernel's path for this CPU, or None where the library is absent."""
-    isa = q4native.isa_for((info or cpu_info()).flags)
-    return isa if isa in q4native.supported_isas() else None
+    isa = native.isa_for((info or cpu_info()).flags)
+    return isa if isa in q8native.supported_isas() else None
 
 
 def q4n_kernel(weight: Int4Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
+    """The native 4-bit kernel: the int8 kernel's 16-row blocks with the weights' nibbles
+    (``q8native.pack_int4``)."""
     isa = native_isa()
     if isa is None:
         raise RuntimeError("the native int4 kernel is not available on this machine")
-    packed = q4native.pack(weight)
+    packed = q8native.pack_int4(weight)
     b = None if bias is None else bias.to(dtype)
 
     def run(x: Tensor) -> Tensor:
-        y = q4native.matmul(x.to(dtype), packed, isa)
+        y = q8native.matmul(x.to(dtype), packed, isa)
         return y if b is None else y + b
     return run
 
@@ -146,11 +150,11 @@ def native_int8_isa(info: CpuInfo | None = None) -> str | None:
     ``CONFKV_NATIVE_INT8=0`` (read here, i.e. whenever a model's kernel table is made)."""
     if os.environ.get(q8native.SWITCH, "1").strip() == "0":
         return None
-    isa = q4native.isa_for((info or cpu_info()).flags)
+    isa = native.isa_for((info or cpu_info()).flags)
     return isa if isa in q8native.supported_isas() else None
 
 
-def q8n_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
+def q8n_kernel(weight: Int8Weight | Int8GroupWeight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
     isa = native_int8_isa()
     if isa is None:
         raise RuntimeError("the native int8 kernel is not available on this machine")
@@ -177,7 +181,8 @@ def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> 
 # values. fbgemm's dynamic int8 (activations quantized per tensor) is deliberately not a candidate:
 # on this model's layers, whose activations have outlier channels, it measured 4-7 % relative
 # output error against 0.3 % for int4 weight-only with bf16 activations.
-CANDIDATES = {"int4": ("q4n", "int4", "dense"), "int8": ("q8n", "int8", "dense"), "dense": ("dense",)}
+CANDIDATES = {"int4": ("q4n", "int4", "dense"), "int8": ("q8n", "int8", "dense"), "int8g": ("q8n", "dense"),
+              "dense": ("dense",)}
 
 
 def candidates(kind: str) -> tuple[str, ...]:
@@ -196,14 +201,21 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     summed over one layer (docs/performance.md, "Kernels per CPU"): without native bf16 (AVX2,
     fp32 activations) PyTorch's int4 loses to fp32 GEMM at every row count, one row included
     (8.1 vs 6.7 ms), and ``q4n`` wins up to 16 rows (5.7 vs 6.7, 8.1 vs 8.3, 2.3 vs 2.7 ms at
-    1 / 4 / 16) and loses at 32 (4.2 vs 3.5 ms). With native bf16 (AMX) PyTorch's int4 and int8
+    1 / 4 / 16) and loses at 32 (4.2 vs 3.5 ms); the 16-row block kernel that replaced that
+    ``q4n`` took 0.134 / 0.367 / 1.088 / 1.739 ms against fp32 GEMM's 0.435 / 1.214 / 1.850 / 2.481
+    at 1 / 4 / 16 / 32 rows under the AVX2 emulation (``bench.micro.int8_kernels --kind int4``);
+    the bucket stays at 16 (64 rows unmeasured). With native bf16 (AMX) PyTorch's int4 and int8
     with bf16 activations beat bf16 GEMM up to 4 rows and it wins from 16 (int4: 0.70 vs 0.89 ms)."""
     if kind == "dense":
         return "dense"
-    if kind == "int8" and _q8n_everywhere(info, native8):
+    if kind in ("int8", "int8g") and _q8n_everywhere(info, native8):
         return "q8n"
+    if kind == "int8g":  # only q8n reads group scales (the loader makes them only where it runs)
+        return "dense"
     if native is None:
         native = native_isa(info) is not None
+    if kind == "int4" and native and info.native_bf16 and _vnni_without_amx(info):
+        return "q4n" if rows <= 4 else "dense"
     if not info.native_bf16:
         # int8 weight-only with fp32 activations lost to fp32 GEMM even at one row (the 49,152 x
         # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so without q8n int8 weights run
@@ -214,6 +226,23 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     # 20.1 vs 23.1 ms at 4 rows, 37.0 vs 23.2 at 8, 75.1 vs 23.9 at 16; its layers' 4,096 x 640
     # and 1,536 x 640 cross over between 4 and 8 rows as well.
     return kind if rows <= 4 else "dense"
+
+
+def _vnni_without_amx(info: CpuInfo) -> bool:
+    """Where ``q4n`` (the 16-row block kernel) replaces PyTorch's int4 at up to 4 rows although bf16
+    is native: VNNI CPUs without AMX. Measured on an AMD EPYC (AVX-512 VNNI and BF16, no AMX), 2
+    threads, bf16 activations, best of 7 interleaved rounds (``bench.micro.int8_kernels --kind
+    int4``, docs/performance.md "Int4 in 16-row blocks"), the embedded model's four shapes summed
+    over a layer: 0.142 / 0.151 / 0.325 ms (q4n / PyTorch's int4 / bf16 GEMM) at one row, 0.242 /
+    0.251 / 0.373 at 4, 0.675 / 0.820 / 0.714 at 16; Gemma 3's int4 shapes (640 x 1,024 and 640 x
+    2,048) at 16 rows 0.388 / 0.385 / 0.292: bf16 GEMM from 16 rows, as before."""
+    return "avx512_vnni" in info.flags and not any(f.startswith("amx") for f in info.flags)
+
+
+def grouped_int8_served(info: CpuInfo | None = None) -> bool:
+    """Whether int8 weights with group scales (``int8g``) are served here: where ``q8n`` serves int8
+    weights at every row count. Elsewhere the loader rounds those types to per-row int8 as before."""
+    return _q8n_everywhere(info or cpu_info(), None)
 
 
 def _q8n_everywhere(info: CpuInfo, native8: bool | None) -> bool:
@@ -274,13 +303,15 @@ def _time_candidates(fns: dict[str, KernelFn], x: Tensor, rounds: int) -> dict[s
     return best
 
 
-def _make(name: str, w: Tensor, dtype: torch.dtype) -> KernelFn:
-    from confkv_engine.model.quant import quantize_int4, quantize_int8
+def _make(name: str, kind: str, w: Tensor, dtype: torch.dtype) -> KernelFn:
+    from confkv_engine.model.quant import quantize_int4, quantize_int8, quantize_int8_groups
 
     if name == "dense":
         return dense_kernel(w, None, dtype)
     if name in ("int4", "q4n"):
         return (int4_kernel if name == "int4" else q4n_kernel)(quantize_int4(w), None, dtype)
+    if kind == "int8g":
+        return q8n_kernel(quantize_int8_groups(w), None, dtype)
     return (int8_kernel if name == "int8" else q8n_kernel)(quantize_int8(w), None, dtype)
 
 
@@ -290,7 +321,7 @@ def measure_table(shapes: Sequence[tuple[str, int, int]], dtype: torch.dtype, ro
     gen = torch.Generator().manual_seed(0)
     for kind, n, k in shapes:
         w = torch.randn(n, k, generator=gen) * 0.02
-        fns = {name: _make(name, w, dtype) for name in candidates(kind)}
+        fns = {name: _make(name, kind, w, dtype) for name in candidates(kind)}
         names = []
         for rows in ROW_GRID:
             x = torch.randn(rows, k, generator=gen).to(dtype)

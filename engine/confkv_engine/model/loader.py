@@ -243,8 +243,9 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: str, mode: str
             device,
             inv_freq=gguf_loader.rope_freqs(gguf_model),
         )
-        quantized = ({} if mode in ("fp32", "bf16") else
-                     gguf_loader.quantized_linears(gguf_model, prefer_int4=mode != "int8"))
+        grouped = device == "cpu" and kernels.grouped_int8_served()
+        quantized = ({} if mode in ("fp32", "bf16") else gguf_loader.quantized_linears(
+            gguf_model, prefer_int4=mode != "int8", grouped_int8=grouped))
         table = _quantize(model, quantized, dtype)
     loaded = _finish(model, tokenizer, gguf_model.args, name, dtype, device)
     loaded.weights, loaded.kernel_table = mode, table

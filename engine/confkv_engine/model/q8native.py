@@ -1,12 +1,15 @@
-"""The native int8-weight matmul (``_q8matmul.c``, built into the same library as the int4 one).
+"""The native block matmuls (``_q8matmul.c`` in the ``_native`` library): int8 weights (``q8n``)
+and int4 weights (``q4n``), both in blocks of 16 output rows.
 
 Maths (the C file says why): the weights are ``Int8Weight``'s values (``q [N, K]`` int8, one fp32
-scale per output row), repacked once at load into 16-row blocks (``pack``: the layer keeps only
-that copy when its plan is ``q8n`` at every row count), the activations are quantized per row and
-group of 32 to int8 with one scale (``max|x| / 127``), integer dot products per group, fp32
-accumulation. The int8 activations are the only rounding added to the weights' own.
+scale per output row), ``Int8GroupWeight``'s (one scale per row and group of 32 or 16) or
+``Int4Weight``'s (groups of 32, ``w = scale * (q - 8) + zero``), repacked once at load into 16-row
+blocks (``pack`` / ``pack_int4``: the layer keeps only that copy when its plan is the native kernel
+at every row count), the activations are quantized per row and group of 32 to int8 with one scale
+(``max|x| / 127``), integer dot products per group, fp32 accumulation. The int8 activations are
+the only rounding added to the weights' own.
 
-Paths as ``q4native`` (``vnni``, ``avx2``, ``scalar``; the library re-checks the CPU).
+Paths as ``native.ISAS`` (``vnni``, ``avx2``, ``scalar``; the library re-checks the CPU).
 ``CONFKV_NATIVE_INT8=0`` turns this kernel off (read when a kernel table is made, i.e. at model
 load: ``kernels.native_int8_isa``), so int8 weights are served by PyTorch's kernels as before;
 ``CONFKV_NATIVE_Q4=0`` turns the whole library off.
@@ -23,14 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from confkv_engine.model.q4native import ISAS, LIBRARY, find_library
-from confkv_engine.model.q4native import SWITCH as LIBRARY_SWITCH
-from confkv_engine.model.quant import Int8Weight
+from confkv_engine.model.native import ISAS, LIBRARY, find_library
+from confkv_engine.model.native import SWITCH as LIBRARY_SWITCH
+from confkv_engine.model.quant import Q4_BLOCK, Int4Weight, Int8GroupWeight, Int8Weight
 
 SWITCH = "CONFKV_NATIVE_INT8"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "the CPU lacks the instruction set asked for", -2: "in_features is not a multiple of 32",
-           -3: "out of memory for the quantized activations"}
+           -3: "out of memory for the quantized activations", -4: "weight groups of 16 or 32 only"}
 
 
 @cache
@@ -41,8 +44,13 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.confkv_q8_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int]
+    fn4 = lib.confkv_q4i_matmul
+    fn4.restype = ctypes.c_int
+    fn4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                    ctypes.c_int, ctypes.c_int]
     lib.confkv_q8_supported.restype = ctypes.c_int
     return lib
 
@@ -60,30 +68,73 @@ def supported_isas() -> list[str]:
 class PackedInt8:
     """Weights ``[N, K]`` as the library reads them: blocks of 16 output rows, each stored as K / 4
     chunks of 16 x 4 bytes (the 4 consecutive inputs of each of the 16 rows: one 512-bit register,
-    one output per 32-bit lane), the last block padded with zero rows; scales padded alike."""
+    one output per 32-bit lane), the last block padded with zero rows; scales padded alike, and
+    for group scales stored a block's 16 rows together per group (one 512-bit load)."""
 
     q: Tensor  # [ceil(N / 16), K / 4, 16, 4] int8
-    scale: Tensor  # [ceil(N / 16) * 16] fp32
+    scale: Tensor  # group 0: [ceil(N / 16) * 16]; else [ceil(N / 16), K / group, 16]; fp32
     n: int
+    group: int = 0  # inputs per weight scale, 0: the whole row
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.q.shape[1] * 4
 
 
-def pack(weight: Int8Weight) -> PackedInt8:
-    """``Int8Weight`` -> the library's layout (a rearranged copy, the same size as ``q``)."""
+def pack(weight: Int8Weight | Int8GroupWeight) -> PackedInt8:
+    """``Int8Weight`` / ``Int8GroupWeight`` -> the library's layout (a rearranged copy)."""
     n, k = weight.q.shape
     if k % 32:
         raise ValueError(f"the native int8 kernel needs in_features a multiple of 32, not {k}")
+    group = weight.group if isinstance(weight, Int8GroupWeight) else 0
+    if group not in (0, 16, 32):
+        raise ValueError(f"the native int8 kernel takes weight groups of 16 or 32, not {group}")
     pad = -n % 16
     q = F.pad(weight.q.to(torch.int8), (0, 0, 0, pad)) if pad else weight.q.to(torch.int8)
     packed = q.view((n + pad) // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
-    scale = F.pad(weight.scale.to(torch.float32), (0, pad)).contiguous()
-    return PackedInt8(packed, scale, n)
+    scale = F.pad(weight.scale.to(torch.float32).t(), (0, pad)).t()  # rows padded, 1-D or [N, groups]
+    if group:
+        scale = scale.reshape((n + pad) // 16, 16, k // group).transpose(1, 2)
+    return PackedInt8(packed, scale.contiguous(), n, group)
 
 
-def matmul(x: Tensor, w: PackedInt8, isa: str, threads: int | None = None) -> Tensor:
+@dataclass(frozen=True)
+class PackedInt4Blocks:
+    """4-bit weights ``[N, K]`` in the same 16-row blocks: chunk c of a block holds inputs
+    8c .. 8c + 7 of its 16 rows, 64 bytes, byte 4 l + i with input 8c + i of row l in its low nibble
+    and input 8c + 4 + i in its high one (one 512-bit load, two dpbusd); ``w = scale * (q - 8) +
+    zero`` per row and group of 32, stored per block and group with the 16 rows together."""
+
+    q: Tensor  # [ceil(N / 16), K / 8, 16, 4] uint8
+    scale: Tensor  # [ceil(N / 16), K / 32, 16] fp32
+    zero: Tensor  # [ceil(N / 16), K / 32, 16] fp32
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.q.shape[1] * 8
+
+
+def _blocks_of_16(t: Tensor) -> Tensor:
+    """``[N, G]`` per-row-and-group values -> ``[ceil(N / 16), G, 16]`` (rows past N zero)."""
+    pad = -t.shape[0] % 16
+    t = F.pad(t.float().t(), (0, pad)).t()
+    return t.reshape(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_int4(weight: Int4Weight) -> PackedInt4Blocks:
+    """``Int4Weight`` (groups of 32) -> the library's 4-bit block layout (half the bytes of int8)."""
+    n, k = weight.q.shape
+    if weight.group != Q4_BLOCK or k % 32:
+        raise ValueError(f"the native 4-bit block kernel needs groups of {Q4_BLOCK} and in_features a "
+                         f"multiple of 32, not group {weight.group}, {k}")
+    pad = -n % 16
+    codes = F.pad(weight.q.to(torch.uint8), (0, 0, 0, pad)).view((n + pad) // 16, 16, k // 8, 2, 4)
+    q = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
+    return PackedInt4Blocks(q, _blocks_of_16(weight.scale), _blocks_of_16(weight.zero), n)
+
+
+def matmul(x: Tensor, w: PackedInt8 | PackedInt4Blocks, isa: str, threads: int | None = None) -> Tensor:
     """``x [rows, K]`` (fp32 or bf16, CPU) times ``w``'s transpose -> ``[rows, N]`` in ``x``'s dtype."""
     lib = _library()
     if lib is None:
@@ -97,8 +148,13 @@ def matmul(x: Tensor, w: PackedInt8, isa: str, threads: int | None = None) -> Te
     if x.shape[0] == 0:
         return y
     code = _DTYPES[x.dtype]
-    rc = lib.confkv_q8_matmul(x.data_ptr(), code, x.shape[0], k, w.q.data_ptr(), w.scale.data_ptr(), n,
-                              y.data_ptr(), code, ISAS[isa], threads or torch.get_num_threads())
+    threads = threads or torch.get_num_threads()
+    if isinstance(w, PackedInt4Blocks):
+        rc = lib.confkv_q4i_matmul(x.data_ptr(), code, x.shape[0], k, w.q.data_ptr(), w.scale.data_ptr(),
+                                   w.zero.data_ptr(), n, y.data_ptr(), code, ISAS[isa], threads)
+    else:
+        rc = lib.confkv_q8_matmul(x.data_ptr(), code, x.shape[0], k, w.q.data_ptr(), w.scale.data_ptr(),
+                                  w.group, n, y.data_ptr(), code, ISAS[isa], threads)
     if rc:
         raise RuntimeError(f"native int8 matmul ({isa}): {_ERRORS.get(rc, rc)}")
     return y

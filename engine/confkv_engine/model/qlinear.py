@@ -18,9 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from confkv_engine.model import kernels
-from confkv_engine.model.quant import Int4Weight, Int8Weight
+from confkv_engine.model.quant import Int4Weight, Int8GroupWeight, Int8Weight
 
-QuantWeight = Int4Weight | Int8Weight
+QuantWeight = Int4Weight | Int8Weight | Int8GroupWeight
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class QuantLinear(nn.Module):
 
 
 def _kind(weight: QuantWeight) -> str:
-    return "int4" if isinstance(weight, Int4Weight) else "int8"
+    return {Int4Weight: "int4", Int8GroupWeight: "int8g"}.get(type(weight), "int8")
 
 
 def build_quant_linear(weight: QuantWeight, bias: Tensor | None, dtype: torch.dtype,
@@ -86,6 +86,9 @@ def _stack(parts: list[QuantWeight]) -> QuantWeight | None:
                           torch.cat([p.zero for p in parts]), parts[0].group)  # type: ignore[union-attr]
     if all(isinstance(p, Int8Weight) for p in parts):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    if all(isinstance(p, Int8GroupWeight) for p in parts) and len({p.group for p in parts}) == 1:  # type: ignore[union-attr]
+        return Int8GroupWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                               parts[0].group)  # type: ignore[union-attr]
     return None
 
 

@@ -20,12 +20,18 @@ they are the ones whose int8 rounding moves perplexity most (the attention logit
 every later token mixes), as llama.cpp's mixtures keep ``attn_v`` at more bits than the rest.
 They are about an eighth of the linear weights (+10 % weight bytes over all-int8).
 
+- **int8, one scale per output row and group of 32 or 16** (``Int8GroupWeight``, ``w = q * scale``):
+  GGUF's Q8_0 (``w = d * q``) and Q5_0 (``w = d * (q - 16)``) blocks of 32 and Q6_K's sub-blocks of
+  16 (``w = d * sc_j * (q - 32)``: one fp32 scale ``d * sc_j``, exact) as they are stored, codes in
+  -32..31 at most for the 5- and 6-bit ones: no second rounding. Only the native int8 kernel
+  (``q8native``) reads it; the loader asks for it where that kernel serves int8 weights.
+
 ``unpack_q4`` reads the raw GGUF bytes directly: nothing is expanded to fp32 for the 4-bit path.
 Q4_K (super-blocks of 256 = 8 sub-blocks of 32, ``w = d * sc_j * q - dmin * m_j`` with 6-bit
 ``sc_j``, ``m_j``) maps onto the same groups of 32 exactly: ``scale = d * sc_j``,
 ``zero = 8 * scale - dmin * m_j`` (``unpack_q4_k``). Q5_K and Q6_K have no such layout here (5 and
 6 bits): the loader serves them dense in the activation dtype instead of requantizing them
-(``DENSE_K_TYPES``).
+(``DENSE_K_TYPES``), except Q6_K where grouped int8 is served.
 """
 
 from __future__ import annotations
@@ -74,6 +80,50 @@ class Int8Weight:
 
     def dequantize(self) -> Tensor:
         return self.q.float() * self.scale[:, None]
+
+    def permute_rows(self, order: Tensor) -> Int8Weight:
+        return Int8Weight(self.q[order], self.scale[order])
+
+
+@dataclass(frozen=True)
+class Int8GroupWeight:
+    q: Tensor  # [N, K] int8 in -127..127
+    scale: Tensor  # [N, K / group] fp32
+    group: int  # 32 or 16
+
+    def dequantize(self) -> Tensor:
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // self.group, self.group) * self.scale[..., None]).view(n, k)
+
+    def permute_rows(self, order: Tensor) -> Int8GroupWeight:
+        return Int8GroupWeight(self.q[order], self.scale[order], self.group)
+
+
+# Types served exactly as ``Int8GroupWeight``: type -> (bytes per block, weights per block, group).
+GROUPED_INT8_TYPES = {"Q8_0": (34, 32, 32), "Q5_0": (22, 32, 32), "Q6_K": (210, QK_K, 16)}
+
+
+def _group_scales(raw: np.ndarray, type_name: str, k: int) -> np.ndarray:
+    """Raw rows of a ``GROUPED_INT8_TYPES`` type -> its scale per row and group, ``[N, K / group]``."""
+    block_bytes, per_block, _ = GROUPED_INT8_TYPES[type_name]
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], k // per_block, block_bytes)
+    if type_name == "Q6_K":  # 128 + 64 bytes of codes, 16 int8 sub-block scales, then f16 d
+        d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+        return (d[..., None] * blocks[..., 192:208].copy().view(np.int8)).reshape(raw.shape[0], -1)
+    return blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # f16 d first
+
+
+def int8_groups(raw: np.ndarray, type_name: str, dense: np.ndarray) -> Int8GroupWeight:
+    """A ``GROUPED_INT8_TYPES`` tensor -> ``Int8GroupWeight``: the scales read from its raw rows, the
+    codes recovered from its dequantized values ``dense [N, K]`` (``round(w / scale)`` is exact: each
+    value is the scale times a small integer)."""
+    n, k = dense.shape
+    group = GROUPED_INT8_TYPES[type_name][2]
+    scale = _group_scales(raw, type_name, k)
+    safe = np.where(scale == 0, 1.0, scale)[..., None]
+    codes = np.rint(dense.reshape(n, k // group, group) / safe).clip(-127, 127)
+    q = torch.from_numpy(codes.astype(np.int8).reshape(n, k))
+    return Int8GroupWeight(q, torch.from_numpy(scale), group)
 
 
 def unpack_q4(raw: np.ndarray, type_name: str, k: int) -> Int4Weight:
@@ -137,6 +187,15 @@ def quantize_int8(w: Tensor) -> Int8Weight:
     scale = (wf.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     q = (wf / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
     return Int8Weight(q, scale)
+
+
+def quantize_int8_groups(w: Tensor, group: int = 32) -> Int8GroupWeight:
+    """Dense ``[N, K]`` -> symmetric int8 with one scale per output row and group."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    scale = (g.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8GroupWeight(q.view(n, k), scale, group)
 
 
 def int4_scales_and_zeros(weight: Int4Weight, dtype: torch.dtype) -> Tensor:

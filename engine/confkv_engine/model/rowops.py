@@ -1,4 +1,4 @@
-"""The decoder layers' elementwise blocks as single native calls (``_rowops.c``, in the ``_q4matmul``
+"""The decoder layers' elementwise blocks as single native calls (``_rowops.c``, in the ``_native``
 library), used in place of the PyTorch reference functions of ``llama`` where they apply.
 
 Why: at one decode row RMSNorm, RoPE and the gated activation are a few hundred elements each, and
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from confkv_engine.model.q4native import LIBRARY, find_library
+from confkv_engine.model.native import LIBRARY, find_library
 
 SWITCH = "CONFKV_NATIVE_ROWOPS"
 # The gated activation calls scalar expf / tanhf per element where PyTorch's kernels are vectorised:

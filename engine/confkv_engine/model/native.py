@@ -1,0 +1,43 @@
+"""The project's native CPU library (``_native``: ``_q8matmul.c``, the int8 / int4 block matmuls,
+and ``_rowops.c``, the layers' row-wise blocks), found and loaded with ctypes when it was built.
+
+``pip install`` builds it next to this module (``setup.py``: an optional extension; without a C
+compiler the install goes on, the library is absent and PyTorch's kernels serve). Nothing is
+compiled or downloaded at run time. Its SIMD paths (``ISAS``): ``vnni`` (AVX-512 VNNI), ``avx2``
+(AVX2 + FMA), ``scalar`` (portable C); ``isa_for`` picks the best one the CPU flags allow and the
+library re-checks the CPU and refuses a path it cannot run. ``CONFKV_NATIVE_Q4=0`` (its historical
+name) turns the whole library off, for comparisons with PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+
+LIBRARY = "_native"
+SWITCH = "CONFKV_NATIVE_Q4"
+ISAS = {"scalar": 0, "avx2": 1, "vnni": 2}
+
+
+def find_library(directory: Path, name: str, switch: str) -> ctypes.CDLL | None:
+    """The extension ``name`` built into ``directory``, loaded with ctypes; None when it was not built
+    or the environment variable ``switch`` is "0". (``cache.codec.native`` has its own: the layering
+    keeps model below the codec.)"""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / f"{name}{suffix}"
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    return None
+
+
+def isa_for(flags: frozenset[str]) -> str:
+    """The fastest path the CPU flags (``/proc/cpuinfo`` names) allow."""
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        return "vnni"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "scalar"
