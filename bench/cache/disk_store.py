@@ -203,7 +203,7 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print_tables(patterns, store, admission)
     result = {"machine": platform.platform(), "cpus": os.cpu_count(),
-              "dir": str(args.dir or tempfile.gettempdir()), "quick": args.quick,
+              "dir": str(args.dir or "(the system temporary directory)"), "quick": args.quick,
               "write_patterns": patterns, "store": store, "admission": admission}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
