@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from confkv_engine.model import gguf_loader, kernels
+from confkv_engine.model import gguf_loader
 from confkv_engine.model.gguf_reader import read_gguf
 from confkv_engine.model.loader import load_model
 from confkv_engine.model.quant import unpack_q4
@@ -172,13 +172,9 @@ def _k_quant_model(tmp_path, qtype: Q, pack) -> tuple[str, np.ndarray]:
 
 
 @pytest.mark.parametrize(("qtype", "pack", "served"), [
-    (Q.Q4_K, pack_q4_k, "int4"), (Q.Q5_K, pack_q5_k, "Linear"), (Q.Q6_K, pack_q6_k, "int8g")])
+    (Q.Q4_K, pack_q4_k, "int4"), (Q.Q5_K, pack_q5_k, "Linear"), (Q.Q6_K, pack_q6_k, "Linear")])
 def test_k_quant_linears_served_without_second_rounding(tmp_path, qtype, pack, served):
-    """Q4_K: the int4 kernel computes with the file's values; Q6_K: int8 with the file's scale per 16
-    (``int8g``) where the native int8 kernel serves int8 weights, else dense; Q5_K: dense. Never
-    requantized."""
-    if served == "int8g" and not kernels.grouped_int8_served():
-        served = "Linear"
+    """Q4_K: an int4 kernel computes with the file's values; Q5_K / Q6_K: dense. Never requantized."""
     path, expected = _k_quant_model(tmp_path, qtype, pack)
     loaded = load_model(path, weights="int4")
     module = loaded.model.layers[0].mlp.up_proj  # its gate is F32 in this file, so nothing is fused
@@ -189,9 +185,9 @@ def test_k_quant_linears_served_without_second_rounding(tmp_path, qtype, pack, s
     else:
         x = torch.randn(3, 256).to(loaded.dtype)
         reference = x.float() @ torch.from_numpy(expected).t()
-        # Only the activations' rounding (to the activation dtype; int8 per group of 32 for int8g)
-        # and the scales' and sums' separates them.
-        tol = 2e-2 if served == "int8g" else 1e-5 if loaded.dtype == torch.float32 else 1e-2
+        # Only the activations' rounding (to the activation dtype; to int8 per group of 32 where q4n
+        # serves) and the scales' and sums' separates them.
+        tol = 2e-2 if module.kernel_for(3) == "q4n" else 1e-5 if loaded.dtype == torch.float32 else 1e-2
         assert (module(x).float() - reference).abs().max() <= tol * reference.abs().max()
 
 

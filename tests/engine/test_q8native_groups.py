@@ -1,6 +1,6 @@
 """Int8 weights with a scale per group (``Int8GroupWeight``): GGUF's Q8_0 / Q5_0 / Q6_K blocks read
-exactly (no second rounding), the native kernel's group-scale paths against a float64 reference,
-the loader's choice and the module plan.
+exactly (no second rounding; the loader serves Q8_0 / Q5_0 so), the native kernel's group-scale
+paths (groups of 32 and 16) against a float64 reference, and the module plan.
 
 Every kernel path this CPU has runs (scalar always); a path the CPU lacks is skipped and says so.
 """

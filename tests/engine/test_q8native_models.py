@@ -1,6 +1,6 @@
 """The real models with their int8 weights on the native kernel (``q8n``) against the fp32 model:
 SmolLM2's tied Q8_0 head, and (when its optional package is installed) Gemma 3's Q8_0 head,
-Q5_0 / Q8_0 q/k/v and gate/up and Q6_K down projections, read as stored (int8 with their group
+Q5_0 / Q8_0 q/k/v and gate/up, read as stored (int8 with their group
 scales, ``int8g``) where the kernel serves them. Served as the engine serves them
 (``weights="auto"``), once with ``q8n`` and once with ``CONFKV_NATIVE_INT8=0`` (PyTorch's int8 /
 dense kernels), prefill and decode rows.

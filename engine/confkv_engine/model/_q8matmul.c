@@ -10,7 +10,7 @@
 
    - int8 weights: ``Int8Weight`` (q in -127..127, one fp32 scale per output row: wg = 0) or
      ``Int8GroupWeight`` (one fp32 scale per output row and group of wg = 32 or 16 inputs: GGUF's
-     Q8_0 / Q5_0 blocks and Q6_K's sub-blocks as stored, no second rounding), repacked once at
+     Q8_0 / Q5_0 blocks as stored, no second rounding; wg = 16 fits Q6_K's sub-blocks), repacked once at
      load (q8native.pack, the same number of bytes) into blocks of 16 output rows: chunk c of block
      b holds inputs 4c..4c+3 of each of the 16 rows, 64 bytes, so one 512-bit load feeds one dpbusd
      whose 16 int32 lanes are 16 different outputs: no horizontal sums, and a group's integer sums
@@ -32,7 +32,7 @@
    per-row weight scale, the sum over groups of s[g] * 128 * sum_j a[g, j] depends on the
    activation row only, so it is computed once per row at quantization (``off``) and taken out at
    the end. With per-group weight scales it is not: each group's int32 dot loses 128 * sum_j a_j
-   (``sum16``, per 16 codes) before its conversion, one integer subtract per group. AVX2's maddubs
+   (``flip16`` / ``flip32``, precomputed with the scale: one fused multiply-subtract per group). AVX2's maddubs
    saturates its int16 pairs, so that path uses the sign trick for int8: maddubs(|a|, sign(q, a)),
    at most 2 * 127 * 127 < 32767 (int4 needs none: 2 * 15 * 127).
 
@@ -55,7 +55,8 @@ typedef struct {          /* quantized activations, rows x k */
     const int8_t *q;      /* [rows, k] */
     const float *s;       /* [rows, k / 32] each group's scale */
     const float *off;     /* [rows] 128 * sum_g s[g] * sum_j a[g, j]: what the unsigned flip adds */
-    const int32_t *sum16; /* [rows, k / 16] sum of each 16 codes (the flip's share per weight group) */
+    const float *flip16;  /* [rows, k / 16] 128 * s[g] * sum of each 16 codes (the flip's share of a dot) */
+    const float *flip32;  /* [rows, k / 32] the same per group of 32 (int4: / 16 is 8 * s * sum a) */
     const float *xsum;    /* [rows, k / 32] exact fp32 sum of each group's x (4-bit weights' zero term) */
     int64_t k;
 } Acts8;
@@ -75,7 +76,7 @@ static inline const float *group_scales(const W8 *w, int64_t b, int64_t h) {
 
 /* One row of activations -> int8 groups, their scales and the row's offset. */
 static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_t *q, float *s,
-                         float *off, int32_t *sum16, float *xsum) {
+                         float *off, float *flip16, float *flip32, float *xsum) {
     float buf[GROUP];
     double total = 0.0;
     for (int64_t g = 0; g < k / GROUP; g++) {
@@ -93,8 +94,9 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_
             half[j / 16] += q[g * GROUP + j];
         }
         s[g] = scale;
-        sum16[2 * g] = half[0];
-        sum16[2 * g + 1] = half[1];
+        flip16[2 * g] = 128.f * scale * (float)half[0];
+        flip16[2 * g + 1] = 128.f * scale * (float)half[1];
+        flip32[g] = 128.f * scale * (float)(half[0] + half[1]);
         total += (double)scale * (half[0] + half[1]);
     }
     *off = (float)(128.0 * total);
@@ -130,12 +132,10 @@ static void tile4_scalar(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int
                         const uint8_t byte = chunk4(w, b, c)[l * 4 + i];
                         dot[l] += (byte & 15) * aq[c * 8 + i] + (byte >> 4) * aq[c * 8 + 4 + i];
                     }
-            const int32_t *sums = a->sum16 + (r0 + r) * (k / 16) + 2 * g;
-            const int32_t asum = sums[0] + sums[1];
             const float *d = group_scales(w, b, g), *z = w->zero + (b * groups + g) * 16;
+            const float s = a->s[(r0 + r) * groups + g], c8 = a->flip32[(r0 + r) * groups + g] / 16.f;
             for (int l = 0; l < 16; l++)
-                acc[l] += a->s[(r0 + r) * groups + g] * d[l] * (float)(dot[l] - 8 * asum)
-                          + z[l] * a->xsum[(r0 + r) * groups + g];
+                acc[l] += d[l] * (s * (float)dot[l] - c8) + z[l] * a->xsum[(r0 + r) * groups + g];
         }
         for (int l = 0; l < 16 && b * 16 + l < n; l++) store_y(y, y_dtype, (r0 + r) * n + b * 16 + l, acc[l]);
     }
@@ -187,14 +187,17 @@ static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t
     const int64_t k = w->k, groups = k / GROUP;
     const int parts = wg == 16 ? 2 : 1, span = 8 / parts;
     const __m256i ones = _mm256_set1_epi16(1);
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++)
         for (int h = 0; h < parts; h++) {
             __m256i dot[2][RT];
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) dot[0][r] = dot[1][r] = _mm256_setzero_si256();
             for (int64_t c = g * 8 + h * span; c < g * 8 + (h + 1) * span; c++) {
                 const __m256i w0 = _mm256_loadu_si256((const __m256i *)chunk(w, b, c));
                 const __m256i w1 = _mm256_loadu_si256((const __m256i *)(chunk(w, b, c) + 32));
+                _Pragma("GCC unroll 8")
                 for (int r = 0; r < rows; r++) {
                     const __m256i av = _mm256_set1_epi32(load4(a->q + (r0 + r) * k + c * 4));
                     const __m256i aabs = _mm256_abs_epi8(av);
@@ -209,6 +212,7 @@ static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t
                 ws0 = _mm256_loadu_ps(group_scales(w, b, g * parts + h));
                 ws1 = _mm256_loadu_ps(group_scales(w, b, g * parts + h) + 8);
             }
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) {
                 const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
                 out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), wg ? _mm256_mul_ps(ws0, s) : s, out[0][r]);
@@ -250,15 +254,18 @@ static inline __attribute__((always_inline)) void avx2_body4(const W8 *w, int64_
                                                              int64_t r0, const int rows, __m256 out[2][RT]) {
     const int64_t k = w->k, groups = k / GROUP;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256i dot[2][RT];
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < rows; r++) dot[0][r] = dot[1][r] = _mm256_setzero_si256();
         for (int64_t c = g * 4; c < g * 4 + 4; c++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)chunk4(w, b, c));
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(chunk4(w, b, c) + 32));
             const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
             const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) {
                 const int8_t *ap = a->q + (r0 + r) * k + c * 8;
                 const __m256i alo = _mm256_set1_epi32(load4(ap)), ahi = _mm256_set1_epi32(load4(ap + 4));
@@ -271,16 +278,15 @@ static inline __attribute__((always_inline)) void avx2_body4(const W8 *w, int64_
         const float *d = group_scales(w, b, g), *z = w->zero + (b * groups + g) * 16;
         const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
         const __m256 z0 = _mm256_loadu_ps(z), z1 = _mm256_loadu_ps(z + 8);
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < rows; r++) {
-            const int32_t *sums = a->sum16 + (r0 + r) * (k / 16) + 2 * g;
-            const int32_t asum = sums[0] + sums[1];
-            const __m256i off = _mm256_set1_epi32(8 * asum);
             const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
+            const __m256 c8 = _mm256_set1_ps(a->flip32[(r0 + r) * groups + g] * 0.0625f);
             const __m256 xs = _mm256_set1_ps(a->xsum[(r0 + r) * groups + g]);
-            const __m256 i0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[0][r], off)));
-            const __m256 i1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[1][r], off)));
-            out[0][r] = _mm256_fmadd_ps(z0, xs, _mm256_fmadd_ps(i0, s, out[0][r]));
-            out[1][r] = _mm256_fmadd_ps(z1, xs, _mm256_fmadd_ps(i1, s, out[1][r]));
+            const __m256 i0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot[0][r]), s, c8);
+            const __m256 i1 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot[1][r]), s, c8);
+            out[0][r] = _mm256_fmadd_ps(z0, xs, _mm256_fmadd_ps(d0, i0, out[0][r]));
+            out[1][r] = _mm256_fmadd_ps(z1, xs, _mm256_fmadd_ps(d1, i1, out[1][r]));
         }
     }
 }
@@ -320,34 +326,39 @@ static inline __attribute__((always_inline)) void vnni_body(const W8 *w, int64_t
     const int64_t k = w->k, groups = k / GROUP;
     const int parts = wg == 16 ? 2 : 1, span = 8 / parts;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++)
         for (int h = 0; h < parts; h++) {
             __m512i dot[RT];
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
             for (int64_t c = g * 8 + h * span; c < g * 8 + (h + 1) * span; c++) {
                 const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(chunk(w, b, c)), flip);
+                _Pragma("GCC unroll 8")
                 for (int r = 0; r < rows; r++)
                     dot[r] = _mm512_dpbusd_epi32(dot[r], wv,
                                                  _mm512_set1_epi32(load4(a->q + (r0 + r) * k + c * 4)));
             }
             if (wg == 0) {
+                _Pragma("GCC unroll 8")
                 for (int r = 0; r < rows; r++)
                     out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
                                              _mm512_set1_ps(a->s[(r0 + r) * groups + g]), out[r]);
                 continue;
             }
             const __m512 ws = _mm512_loadu_ps(group_scales(w, b, g * parts + h));
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) {
-                const int32_t *sums = a->sum16 + (r0 + r) * (k / 16) + 2 * g;
-                const int32_t flipped = 128 * (wg == 16 ? sums[h] : sums[0] + sums[1]);
-                const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(flipped));
-                out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
-                                         _mm512_mul_ps(ws, _mm512_set1_ps(a->s[(r0 + r) * groups + g])), out[r]);
+                const float flip = wg == 16 ? a->flip16[(r0 + r) * (k / 16) + 2 * g + h] : a->flip32[(r0 + r) * groups + g];
+                const __m512 exact = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(a->s[(r0 + r) * groups + g]),
+                                                     _mm512_set1_ps(flip));
+                out[r] = _mm512_fmadd_ps(ws, exact, out[r]);
             }
         }
     if (wg) return;
     const __m512 scale = _mm512_loadu_ps(w->scale + b * 16);
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < rows; r++)
         out[r] = _mm512_mul_ps(_mm512_sub_ps(out[r], _mm512_set1_ps(a->off[r0 + r])), scale);
 }
@@ -372,13 +383,16 @@ static inline __attribute__((always_inline)) void vnni_body4(const W8 *w, int64_
                                                              int64_t r0, const int rows, __m512 out[RT]) {
     const int64_t k = w->k, groups = k / GROUP;
     const __m512i low = _mm512_set1_epi8(15);
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512i dot[RT];
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
         for (int64_t c = g * 4; c < g * 4 + 4; c++) {
             const __m512i v = _mm512_loadu_si512(chunk4(w, b, c));
             const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) {
                 const int8_t *ap = a->q + (r0 + r) * k + c * 8;
                 dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load4(ap)));
@@ -386,11 +400,11 @@ static inline __attribute__((always_inline)) void vnni_body4(const W8 *w, int64_
             }
         }
         const __m512 d = _mm512_loadu_ps(group_scales(w, b, g)), z = _mm512_loadu_ps(w->zero + (b * groups + g) * 16);
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < rows; r++) {
-            const int32_t *sums = a->sum16 + (r0 + r) * (k / 16) + 2 * g;
-            const int32_t asum = sums[0] + sums[1];
-            const __m512 centred = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], _mm512_set1_epi32(8 * asum))));
-            out[r] = _mm512_fmadd_ps(centred, _mm512_set1_ps(a->s[(r0 + r) * groups + g]), out[r]);
+            const __m512 centred = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(a->s[(r0 + r) * groups + g]),
+                                                   _mm512_set1_ps(a->flip32[(r0 + r) * groups + g] * 0.0625f));
+            out[r] = _mm512_fmadd_ps(d, centred, out[r]);
             out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(a->xsum[(r0 + r) * groups + g]), out[r]);
         }
     }
@@ -459,14 +473,15 @@ static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n,
     if (w->wg != 0 && w->wg != 16 && w->wg != 32) return -4;
     const int64_t groups = k / GROUP;
     int8_t *aq = malloc((size_t)(rows * k));
-    float *s = malloc(sizeof(float) * (size_t)(2 * rows * groups + rows));
-    int32_t *sum16 = malloc(sizeof(int32_t) * (size_t)(rows * (k / 16)));
-    if (aq == NULL || s == NULL || sum16 == NULL) { free(aq); free(s); free(sum16); return -3; }
-    float *off = s + rows * groups, *xsum = off + rows;
+    /* per row: s, flip32 and xsum per group of 32, flip16 per 16, off */
+    float *s = malloc(sizeof(float) * (size_t)(5 * rows * groups + rows));
+    if (aq == NULL || s == NULL) { free(aq); free(s); return -3; }
+    float *flip32 = s + rows * groups, *xsum = flip32 + rows * groups, *flip16 = xsum + rows * groups;
+    float *off = flip16 + 2 * rows * groups;
     for (int64_t r = 0; r < rows; r++)
-        quantize_row(x, x_dtype, r, k, aq + r * k, s + r * groups, off + r, sum16 + r * (k / 16),
-                     xsum + r * groups);
-    const Acts8 a = {aq, s, off, sum16, xsum, k};
+        quantize_row(x, x_dtype, r, k, aq + r * k, s + r * groups, off + r, flip16 + 2 * r * groups,
+                     flip32 + r * groups, xsum + r * groups);
+    const Acts8 a = {aq, s, off, flip16, flip32, xsum, k};
     const int64_t blocks = (n + 15) / 16;
     /* Each thread owns a range of weight blocks (each weight read from memory once); inside a
        block the activation rows go in tiles of RT, the block's weights staying in L1. */
@@ -476,7 +491,6 @@ static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n,
             tile(w, b, &a, r0, rows - r0 < RT ? (int)(rows - r0) : RT, y, y_dtype, n);
     free(aq);
     free(s);
-    free(sum16);
     return 0;
 }
 

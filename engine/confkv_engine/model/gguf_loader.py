@@ -29,7 +29,7 @@ from confkv_engine.model.gguf_reader import GGUFContents, GGUFTensor, read_gguf
 from confkv_engine.model.llama import ModelArgs, rope_inv_freq
 from confkv_engine.model.quant import (
     DENSE_K_TYPES,
-    GROUPED_INT8_TYPES,
+    GROUPED_INT8_SERVED,
     INT4_TYPES,
     Int4Weight,
     Int8GroupWeight,
@@ -279,7 +279,7 @@ def has_quantized_linears(model: GGUFModel) -> bool:
 def quantized_linears(model: GGUFModel, prefer_int4: bool,
                       grouped_int8: bool = False) -> dict[str, QuantWeight]:
     """Linear weights stored quantized in the file, converted without an fp32 model copy: Q4_0 /
-    Q4_1 / Q4_K -> exact int4 groups when ``prefer_int4``; Q8_0 / Q5_0 / Q6_K -> exact int8 groups
+    Q4_1 / Q4_K -> exact int4 groups when ``prefer_int4``; Q8_0 / Q5_0 -> exact int8 groups
     (``Int8GroupWeight``) when ``grouped_int8`` (the native int8 kernel serves them); Q5_K / Q6_K
     are otherwise left out (served dense: requantizing them would round them a second time); every
     other quantized type -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are
@@ -289,7 +289,7 @@ def quantized_linears(model: GGUFModel, prefer_int4: bool,
     permuted = model.architecture == "llama"
     for path, tensor in _linear_sources(model):
         kind = tensor.type_name
-        grouped = grouped_int8 and kind in GROUPED_INT8_TYPES
+        grouped = grouped_int8 and kind in GROUPED_INT8_SERVED
         if (kind in _DENSE_SERVED and not grouped) or (not prefer_int4 and int8_keeps_dense(path)):
             continue
         order = _row_order(path, tensor.shape[0], model.args, permuted)

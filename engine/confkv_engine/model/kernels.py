@@ -12,7 +12,7 @@ present when the optional C library was built), PyTorch's weight-only ``int4`` (
 activations on CPUs that compute bf16 natively, slow without), and ``dense``. For int8 weights:
 ``q8n``, the native int8 x int8 kernel (``q8native``: same library and blocks), PyTorch's
 weight-only ``int8`` and ``dense``. Int8 weights with a scale per group (``int8g``: GGUF's Q8_0 /
-Q5_0 / Q6_K as stored) are read by ``q8n`` only (or a dense copy); the loader makes them only where
+Q5_0 as stored) are read by ``q8n`` only (or a dense copy); the loader makes them only where
 ``grouped_int8_served`` says ``q8n`` serves int8 at every row count.
 
 The table (kernel per row bucket per layer shape) is **derived** from what the CPU reports
