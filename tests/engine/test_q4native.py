@@ -46,7 +46,7 @@ def test_native_matches_reference(isa: str, rows: int, n: int, shift: float) -> 
     x = torch.randn(rows, 96, generator=gen)
     x[0, :32] = 0.0  # an all-zero group: scale 0, no division by zero
     y = q8native.matmul(x, q8native.pack_int4(w), isa, threads=2)
-    ref = reference(x, w)
+    ref = reference(x, q8native.int4_as_served(w))  # its fp16 scale and minimum
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     # against the dense fp32 matmul of the same weights: only the int8 activations differ
     dense = x @ w.dequantize().t()
@@ -60,7 +60,7 @@ def test_bf16_in_bf16_out() -> None:
     x = torch.randn(5, 64, generator=gen).bfloat16()
     y = q8native.matmul(x, q8native.pack_int4(w), "scalar")
     assert y.dtype == torch.bfloat16
-    ref = reference(x.float(), w)  # within one bf16 rounding (8 bits) of the fp32 result
+    ref = reference(x.float(), q8native.int4_as_served(w))  # within one bf16 rounding (8 bits)
     assert torch.allclose(y.float(), ref, rtol=2 ** -8, atol=1e-3 * ref.abs().max().item())
 
 
@@ -76,13 +76,18 @@ def test_bad_shapes_are_clear_errors() -> None:
 
 def test_pack_int4_layout() -> None:
     """Block b, chunk c, lane l, byte i: row 16 b + l, input 8 c + i (low nibble) and 8 c + 4 + i
-    (high nibble); scales and zeros per block and group with the 16 rows together, zero past N."""
+    (high nibble); fp16 scales and minimums (``zero - 8 scale``) per block and group with the 16
+    rows together, zero past N; the served values within fp16 rounding of the weight's."""
     w = quantize_int4(torch.randn(20, 64))
     packed = q8native.pack_int4(w)
     assert packed.q.shape == (2, 8, 16, 4) and packed.shape == (20, 64)
     byte = int(packed.q[1, 3, 2, 1])
     assert (byte & 15, byte >> 4) == (int(w.q[18, 25]), int(w.q[18, 29]))
-    assert torch.equal(packed.scale[1, 1, :4], w.scale[16:20, 1]) and not packed.zero[1, :, 4:].any()
+    assert packed.scale.dtype == packed.minimum.dtype == torch.float16
+    assert torch.equal(packed.scale[1, 1, :4], w.scale[16:20, 1].half())
+    assert not packed.minimum[1, :, 4:].any()
+    served = q8native.int4_as_served(w).dequantize()
+    assert ((served - w.dequantize()).abs() <= 2 ** -10 * w.dequantize().abs().amax()).all()
 
 
 def test_isa_from_flags_and_mask() -> None:

@@ -95,7 +95,7 @@ def test_one_group_scale_per_row_equals_the_row_kernel(isa: str) -> None:
     the two kernels agree within fp32 rounding, bf16 activations and outputs included."""
     gen = torch.Generator().manual_seed(3)
     row = Int8Weight(torch.randint(-127, 128, (48, 128), generator=gen, dtype=torch.int8),
-                     torch.rand(48, generator=gen) * 0.01)
+                     (torch.rand(48, generator=gen) * 0.01).half().float())  # fp16 values: group scales are
     grouped = Int8GroupWeight(row.q, row.scale[:, None].expand(48, 4).contiguous(), 32)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(9, 128, generator=gen).to(dtype)
@@ -106,15 +106,17 @@ def test_one_group_scale_per_row_equals_the_row_kernel(isa: str) -> None:
 
 
 def test_pack_groups_layout() -> None:
-    """Group scales are stored per block and group with the block's 16 rows together; rows past N
-    are zero."""
+    """Group scales are stored in fp16 per block and group with the block's 16 rows together; rows
+    past N are zero; scales that are not fp16 values are refused, not rounded."""
     weight = quantize_int8_groups(torch.randn(20, 64), 16)
     packed = q8native.pack(weight)
-    assert packed.scale.shape == (2, 4, 16) and packed.group == 16
-    assert torch.equal(packed.scale[1, 2, :4], weight.scale[16:20, 2])
+    assert packed.scale.shape == (2, 4, 16) and packed.group == 16 and packed.scale.dtype == torch.float16
+    assert torch.equal(packed.scale[1, 2, :4].float(), weight.scale[16:20, 2])
     assert not packed.scale[1, :, 4:].any()
     with pytest.raises(ValueError, match="groups of 16 or 32"):
         q8native.pack(quantize_int8_groups(torch.randn(8, 128), 64))
+    with pytest.raises(ValueError, match="not fp16 values"):
+        q8native.pack(Int8GroupWeight(weight.q, weight.scale + 1e-7, 16))
 
 
 @needs_library

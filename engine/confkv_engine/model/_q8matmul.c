@@ -15,9 +15,14 @@
      b holds inputs 4c..4c+3 of each of the 16 rows, 64 bytes, so one 512-bit load feeds one dpbusd
      whose 16 int32 lanes are 16 different outputs: no horizontal sums, and a group's integer sums
      take their scale once per 32 x 16 multiply-adds instead of once per 64;
-   - int4 weights (``Int4Weight``, groups of 32: GGUF's Q4_0 / Q4_1 / Q4_K exactly), repacked
+   - int4 weights (``Int4Weight``, groups of 32: GGUF's Q4_0 / Q4_1 / Q4_K), repacked
      (q8native.pack_int4) into the same blocks at half the bytes: chunk c holds inputs 8c..8c+7 of
      the 16 rows (``chunk4``), so one load feeds two dpbusd, the low nibbles and the high ones;
+   - group scales (and int4's minimums, w = d q + m, so zero = m + 8 d) are fp16, 2 bytes per group
+     and row instead of 4: GGUF's own precision for Q8_0 / Q5_0 / Q4_0 / Q4_1 (exact), a 2^-11
+     relative rounding of Q4_K's products d * sc (PyTorch's int4 kernel keeps bf16, 2^-8). At one
+     decode row these kernels are bound by reading the weights, and fp32 group scales were +12.5 %
+     (int8) and +50 % (int4) on top of the codes;
    - activations: per row and group of 32, s = max|x| / 127, a = round(x / s) in -127..127, so an
      outlier channel costs precision in its own group only; each row's 4-byte chunk is broadcast
      to all lanes;
@@ -63,15 +68,29 @@ typedef struct {          /* quantized activations, rows x k */
 
 typedef struct { /* packed weights: [n / 16][k / 4][16][4] int8 (see the header comment) */
     const int8_t *q;
-    const float *scale; /* wg 0: [n rounded up to 16]; else [n / 16][k / wg][16], a block's 16 rows together */
+    const float *scale;      /* wg 0: fp32 [n rounded up to 16] */
+    const uint16_t *half;    /* wg > 0: fp16 [n / 16][k / wg][16], a block's 16 rows together (int4: d) */
+    const uint16_t *minimum; /* 4-bit weights only (wg 32): fp16 like half, w = d * q + minimum */
     int64_t k;
     int wg; /* inputs per weight scale: 0 (the whole row), 16 or 32 */
-    const float *zero; /* 4-bit weights only (wg 32): [n / 16][k / 32][16], w = scale * (q - 8) + zero */
 } W8;
 
-/* The 16 scales of weight block b's group h (wg > 0). */
-static inline const float *group_scales(const W8 *w, int64_t b, int64_t h) {
-    return w->scale + (b * (w->k / w->wg) + h) * 16;
+/* The 16 fp16 values of weight block b's group h in `base` (half or minimum, wg > 0). */
+static inline const uint16_t *group_of(const uint16_t *base, const W8 *w, int64_t b, int64_t h) {
+    return base + (b * (w->k / w->wg) + h) * 16;
+}
+
+/* IEEE half -> float, for the scalar path (the SIMD paths convert 8 or 16 at once). */
+static inline float h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0) { /* zero and subnormals: man * 2^-24 */
+        const float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    const uint32_t u = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112u) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 /* One row of activations -> int8 groups, their scales and the row's offset. */
@@ -132,10 +151,12 @@ static void tile4_scalar(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int
                         const uint8_t byte = chunk4(w, b, c)[l * 4 + i];
                         dot[l] += (byte & 15) * aq[c * 8 + i] + (byte >> 4) * aq[c * 8 + 4 + i];
                     }
-            const float *d = group_scales(w, b, g), *z = w->zero + (b * groups + g) * 16;
+            const uint16_t *dh = group_of(w->half, w, b, g), *mh = group_of(w->minimum, w, b, g);
             const float s = a->s[(r0 + r) * groups + g], c8 = a->flip32[(r0 + r) * groups + g] / 16.f;
-            for (int l = 0; l < 16; l++)
-                acc[l] += d[l] * (s * (float)dot[l] - c8) + z[l] * a->xsum[(r0 + r) * groups + g];
+            for (int l = 0; l < 16; l++) {
+                const float d = h2f(dh[l]), z = h2f(mh[l]) + 8.f * d;
+                acc[l] += d * (s * (float)dot[l] - c8) + z * a->xsum[(r0 + r) * groups + g];
+            }
         }
         for (int l = 0; l < 16 && b * 16 + l < n; l++) store_y(y, y_dtype, (r0 + r) * n + b * 16 + l, acc[l]);
     }
@@ -155,9 +176,9 @@ static void tile_scalar(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int 
                 for (int64_t c = g * 8 + h * span; c < g * 8 + (h + 1) * span; c++)
                     for (int l = 0; l < 16; l++)
                         for (int i = 0; i < 4; i++) dot[l] += chunk(w, b, c)[l * 4 + i] * aq[c * 4 + i];
-                const float *ws = w->wg ? group_scales(w, b, g * parts + h) : NULL;
+                const uint16_t *ws = w->wg ? group_of(w->half, w, b, g * parts + h) : NULL;
                 for (int l = 0; l < 16; l++)
-                    acc[l] += a->s[(r0 + r) * groups + g] * (ws ? ws[l] : 1.f) * (float)dot[l];
+                    acc[l] += a->s[(r0 + r) * groups + g] * (ws ? h2f(ws[l]) : 1.f) * (float)dot[l];
             }
         for (int l = 0; l < 16 && b * 16 + l < n; l++)
             store_y(y, y_dtype, (r0 + r) * n + b * 16 + l, (w->wg ? 1.f : w->scale[b * 16 + l]) * acc[l]);
@@ -177,7 +198,7 @@ static inline int32_t load4(const int8_t *p) {
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 /* One block (16 outputs, two registers of 8) by `rows` activation rows, `wg` as W8's (both
    constants once inlined). Sign trick: maddubs(|a|, sign(w, a)) pairs stay within int16
    (2 * 127 * 127), so there is no unsigned flip to take out. */
@@ -209,8 +230,9 @@ static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t
             }
             __m256 ws0 = _mm256_set1_ps(1.f), ws1 = ws0;
             if (wg) {
-                ws0 = _mm256_loadu_ps(group_scales(w, b, g * parts + h));
-                ws1 = _mm256_loadu_ps(group_scales(w, b, g * parts + h) + 8);
+                const uint16_t *ws = group_of(w->half, w, b, g * parts + h);
+                ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)ws));
+                ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + 8)));
             }
             _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) {
@@ -275,9 +297,12 @@ static inline __attribute__((always_inline)) void avx2_body4(const W8 *w, int64_
                 dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(p1, ones));
             }
         }
-        const float *d = group_scales(w, b, g), *z = w->zero + (b * groups + g) * 16;
-        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-        const __m256 z0 = _mm256_loadu_ps(z), z1 = _mm256_loadu_ps(z + 8);
+        const uint16_t *dh = group_of(w->half, w, b, g), *mh = group_of(w->minimum, w, b, g);
+        const __m256 eight = _mm256_set1_ps(8.f);
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 8)));
+        const __m256 z0 = _mm256_fmadd_ps(eight, d0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh)));
+        const __m256 z1 = _mm256_fmadd_ps(eight, d1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + 8))));
         _Pragma("GCC unroll 8")
         for (int r = 0; r < rows; r++) {
             const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
@@ -347,7 +372,7 @@ static inline __attribute__((always_inline)) void vnni_body(const W8 *w, int64_t
                                              _mm512_set1_ps(a->s[(r0 + r) * groups + g]), out[r]);
                 continue;
             }
-            const __m512 ws = _mm512_loadu_ps(group_scales(w, b, g * parts + h));
+            const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)group_of(w->half, w, b, g * parts + h)));
             _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) {
                 const float flip = wg == 16 ? a->flip16[(r0 + r) * (k / 16) + 2 * g + h] : a->flip32[(r0 + r) * groups + g];
@@ -399,7 +424,9 @@ static inline __attribute__((always_inline)) void vnni_body4(const W8 *w, int64_
                 dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load4(ap + 4)));
             }
         }
-        const __m512 d = _mm512_loadu_ps(group_scales(w, b, g)), z = _mm512_loadu_ps(w->zero + (b * groups + g) * 16);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)group_of(w->half, w, b, g)));
+        const __m512 z = _mm512_fmadd_ps(_mm512_set1_ps(8.f), d,
+                                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)group_of(w->minimum, w, b, g))));
         _Pragma("GCC unroll 8")
         for (int r = 0; r < rows; r++) {
             const __m512 centred = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(a->s[(r0 + r) * groups + g]),
@@ -413,7 +440,7 @@ static inline __attribute__((always_inline)) void vnni_body4(const W8 *w, int64_
 static void tile_vnni(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
                       int y_dtype, int64_t n) {
     __m512 out[RT];
-    if (w->zero != NULL) {
+    if (w->minimum != NULL) {
         switch (rows) {
         case 1: vnni_body4(w, b, a, r0, 1, out); break;
         case 2: vnni_body4(w, b, a, r0, 2, out); break;
@@ -453,7 +480,8 @@ static TileFn tile_fn(int isa, int four) {
     if (isa == ISA_VNNI && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512vl"))
         return tile_vnni;
-    if (isa == ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (isa == ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c"))
         return four ? tile4_avx2 : tile_avx2;
 #endif
     if (isa != ISA_SCALAR) return NULL;
@@ -467,7 +495,7 @@ static TileFn tile_fn(int isa, int four) {
 static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n, void *y, int y_dtype,
                int isa, int threads) {
     const int64_t k = w->k;
-    TileFn tile = tile_fn(isa, w->zero != NULL);
+    TileFn tile = tile_fn(isa, w->minimum != NULL);
     if (tile == NULL) return -1;
     if (k % GROUP) return -2;
     if (w->wg != 0 && w->wg != 16 && w->wg != 32) return -4;
@@ -495,22 +523,23 @@ static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n,
 }
 
 /* y [rows, n] (dtype y_dtype) = x [rows, k] (x_dtype) times the weights' transpose, the weights
-   wq scaled by wscale per row (wgroup 0) or per row and group of wgroup (16 or 32) inputs.
+   wq scaled by wscale per row (wgroup 0: fp32) or per row and group of wgroup (16 or 32) inputs
+   (fp16, as group_of lays them out).
    Returns 0, or -1 when the CPU lacks the ISA asked for, -2 when k is not a multiple of 32,
    -3 when scratch memory cannot be had, -4 for another wgroup. */
 int confkv_q8_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const int8_t *wq,
-                     const float *wscale, int wgroup, int64_t n, void *y, int y_dtype, int isa,
+                     const void *wscale, int wgroup, int64_t n, void *y, int y_dtype, int isa,
                      int threads) {
-    const W8 w = {wq, wscale, k, wgroup, NULL};
+    const W8 w = {wq, wgroup ? NULL : wscale, wgroup ? wscale : NULL, NULL, k, wgroup};
     return run(&w, x, x_dtype, rows, n, y, y_dtype, isa, threads);
 }
 
-/* The same for 4-bit weights w = scale * (q - 8) + zero per row and group of 32, q in 0..15 packed
-   as chunk4 says, scale and zero [n / 16][k / 32][16]. */
+/* The same for 4-bit weights w = d * q + minimum per row and group of 32, q in 0..15 packed as
+   chunk4 says, d and minimum fp16 [n / 16][k / 32][16]. */
 int confkv_q4i_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const uint8_t *wq,
-                      const float *wscale, const float *wzero, int64_t n, void *y, int y_dtype, int isa,
+                      const uint16_t *wd, const uint16_t *wmin, int64_t n, void *y, int y_dtype, int isa,
                       int threads) {
-    const W8 w = {(const int8_t *)wq, wscale, k, GROUP, wzero};
+    const W8 w = {(const int8_t *)wq, NULL, wd, wmin, k, GROUP};
     return run(&w, x, x_dtype, rows, n, y, y_dtype, isa, threads);
 }
 

@@ -72,7 +72,7 @@ class PackedInt8:
     for group scales stored a block's 16 rows together per group (one 512-bit load)."""
 
     q: Tensor  # [ceil(N / 16), K / 4, 16, 4] int8
-    scale: Tensor  # group 0: [ceil(N / 16) * 16]; else [ceil(N / 16), K / group, 16]; fp32
+    scale: Tensor  # group 0: [ceil(N / 16) * 16] fp32; else [ceil(N / 16), K / group, 16] fp16
     n: int
     group: int = 0  # inputs per weight scale, 0: the whole row
 
@@ -92,22 +92,24 @@ def pack(weight: Int8Weight | Int8GroupWeight) -> PackedInt8:
     pad = -n % 16
     q = F.pad(weight.q.to(torch.int8), (0, 0, 0, pad)) if pad else weight.q.to(torch.int8)
     packed = q.view((n + pad) // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
-    scale = F.pad(weight.scale.to(torch.float32).t(), (0, pad)).t()  # rows padded, 1-D or [N, groups]
-    if group:
-        scale = scale.reshape((n + pad) // 16, 16, k // group).transpose(1, 2)
-    return PackedInt8(packed, scale.contiguous(), n, group)
+    if not group:
+        return PackedInt8(packed, F.pad(weight.scale.to(torch.float32), (0, pad)).contiguous(), n)
+    if not torch.equal(weight.scale.half().float(), weight.scale.float()):
+        raise ValueError("the native int8 kernel keeps group scales in fp16; these are not fp16 values")
+    return PackedInt8(packed, _blocks_of_16(weight.scale).half(), n, group)
 
 
 @dataclass(frozen=True)
 class PackedInt4Blocks:
     """4-bit weights ``[N, K]`` in the same 16-row blocks: chunk c of a block holds inputs
     8c .. 8c + 7 of its 16 rows, 64 bytes, byte 4 l + i with input 8c + i of row l in its low nibble
-    and input 8c + 4 + i in its high one (one 512-bit load, two dpbusd); ``w = scale * (q - 8) +
-    zero`` per row and group of 32, stored per block and group with the 16 rows together."""
+    and input 8c + 4 + i in its high one (one 512-bit load, two dpbusd); ``w = scale * q + minimum``
+    per row and group of 32 (``minimum = zero - 8 scale``), both fp16, stored per block and group
+    with the 16 rows together."""
 
     q: Tensor  # [ceil(N / 16), K / 8, 16, 4] uint8
-    scale: Tensor  # [ceil(N / 16), K / 32, 16] fp32
-    zero: Tensor  # [ceil(N / 16), K / 32, 16] fp32
+    scale: Tensor  # [ceil(N / 16), K / 32, 16] fp16
+    minimum: Tensor  # [ceil(N / 16), K / 32, 16] fp16
     n: int
 
     @property
@@ -131,7 +133,21 @@ def pack_int4(weight: Int4Weight) -> PackedInt4Blocks:
     pad = -n % 16
     codes = F.pad(weight.q.to(torch.uint8), (0, 0, 0, pad)).view((n + pad) // 16, 16, k // 8, 2, 4)
     q = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
-    return PackedInt4Blocks(q, _blocks_of_16(weight.scale), _blocks_of_16(weight.zero), n)
+    d, minimum = _fp16_scales(weight)
+    return PackedInt4Blocks(q, _blocks_of_16(d).half(), _blocks_of_16(minimum).half(), n)
+
+
+def _fp16_scales(weight: Int4Weight) -> tuple[Tensor, Tensor]:
+    """The scale and minimum (``w = d q + m``) as the kernel keeps them, fp16 values in fp32."""
+    d = weight.scale.float().half().float()
+    return d, (weight.zero.float() - 8 * weight.scale.float()).half().float()
+
+
+def int4_as_served(weight: Int4Weight) -> Int4Weight:
+    """``weight`` with the scale and zero ``q4n`` computes with (fp16 scale and minimum; the same
+    values for GGUF's Q4_0 / Q4_1, whose d and m are fp16): the reference for its maths."""
+    d, minimum = _fp16_scales(weight)
+    return Int4Weight(weight.q, d, minimum + 8 * d, weight.group)
 
 
 def matmul(x: Tensor, w: PackedInt8 | PackedInt4Blocks, isa: str, threads: int | None = None) -> Tensor:
@@ -151,7 +167,7 @@ def matmul(x: Tensor, w: PackedInt8 | PackedInt4Blocks, isa: str, threads: int |
     threads = threads or torch.get_num_threads()
     if isinstance(w, PackedInt4Blocks):
         rc = lib.confkv_q4i_matmul(x.data_ptr(), code, x.shape[0], k, w.q.data_ptr(), w.scale.data_ptr(),
-                                   w.zero.data_ptr(), n, y.data_ptr(), code, ISAS[isa], threads)
+                                   w.minimum.data_ptr(), n, y.data_ptr(), code, ISAS[isa], threads)
     else:
         rc = lib.confkv_q8_matmul(x.data_ptr(), code, x.shape[0], k, w.q.data_ptr(), w.scale.data_ptr(),
                                   w.group, n, y.data_ptr(), code, ISAS[isa], threads)

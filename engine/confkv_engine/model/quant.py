@@ -195,10 +195,11 @@ def quantize_int8(w: Tensor) -> Int8Weight:
 
 
 def quantize_int8_groups(w: Tensor, group: int = 32) -> Int8GroupWeight:
-    """Dense ``[N, K]`` -> symmetric int8 with one scale per output row and group."""
+    """Dense ``[N, K]`` -> symmetric int8 with one fp16-valued scale per output row and group."""
     n, k = w.shape
     g = w.float().view(n, k // group, group)
-    scale = (g.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    # fp16 scales, as GGUF's blocks and the native kernel keep them (2^-24: the smallest fp16)
+    scale = (g.abs().amax(-1) / 127).clamp_min(2.0 ** -24).half().float()
     q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
     return Int8GroupWeight(q.view(n, k), scale, group)
 
