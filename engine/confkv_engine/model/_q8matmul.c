@@ -388,18 +388,6 @@ static inline __attribute__((always_inline)) void vnni_body(const W8 *w, int64_t
         out[r] = _mm512_mul_ps(_mm512_sub_ps(out[r], _mm512_set1_ps(a->off[r0 + r])), scale);
 }
 
-#define VNNI_ROWS_CASES(WG)                                                       \
-    switch (rows) {                                                               \
-    case 1: vnni_body(w, b, a, r0, 1, WG, out); break;                            \
-    case 2: vnni_body(w, b, a, r0, 2, WG, out); break;                            \
-    case 3: vnni_body(w, b, a, r0, 3, WG, out); break;                            \
-    case 4: vnni_body(w, b, a, r0, 4, WG, out); break;                            \
-    case 5: vnni_body(w, b, a, r0, 5, WG, out); break;                            \
-    case 6: vnni_body(w, b, a, r0, 6, WG, out); break;                            \
-    case 7: vnni_body(w, b, a, r0, 7, WG, out); break;                            \
-    default: vnni_body(w, b, a, r0, RT, WG, out); break;                          \
-    }
-
 /* 4-bit weights: one load of a chunk feeds two dpbusd per row (low nibbles against the row's first
    4 bytes, high nibbles against the next 4); the nibbles are unsigned already, so there is no flip;
    each group's int32 sums take s * d * (dot - 8 * sum a), and z meets the exact sum of the group's
@@ -437,21 +425,9 @@ static inline __attribute__((always_inline)) void vnni_body4(const W8 *w, int64_
     }
 }
 
-static void tile_vnni(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
-                      int y_dtype, int64_t n) {
-    __m512 out[RT];
-    if (w->minimum != NULL) {
-        switch (rows) {
-        case 1: vnni_body4(w, b, a, r0, 1, out); break;
-        case 2: vnni_body4(w, b, a, r0, 2, out); break;
-        case 3: vnni_body4(w, b, a, r0, 3, out); break;
-        case 4: vnni_body4(w, b, a, r0, 4, out); break;
-        case 5: vnni_body4(w, b, a, r0, 5, out); break;
-        case 6: vnni_body4(w, b, a, r0, 6, out); break;
-        case 7: vnni_body4(w, b, a, r0, 7, out); break;
-        default: vnni_body4(w, b, a, r0, RT, out); break;
-        }
-    } else if (w->wg == 0) VNNI_ROWS_CASES(0) else if (w->wg == 16) VNNI_ROWS_CASES(16) else VNNI_ROWS_CASES(32)
+/* Stores a tile's rows of 16 outputs (fp32, or bf16 rounded to nearest even as store_y). */
+static inline __attribute__((always_inline)) void store_vnni(const __m512 out[RT], int64_t b, int64_t r0,
+                                                             int rows, void *y, int y_dtype, int64_t n) {
     for (int r = 0; r < rows; r++) {
         if (b * 16 + 16 > n) { /* the last, partial block */
             float v[16];
@@ -459,7 +435,7 @@ static void tile_vnni(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int ro
             for (int l = 0; b * 16 + l < n; l++) store_y(y, y_dtype, (r0 + r) * n + b * 16 + l, v[l]);
         } else if (y_dtype == DT_F32) {
             _mm512_storeu_ps((float *)y + (r0 + r) * n + b * 16, out[r]);
-        } else { /* bf16, round to nearest even as store_y */
+        } else {
             __m512i u = _mm512_castps_si512(out[r]);
             u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
                                                      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
@@ -468,18 +444,47 @@ static void tile_vnni(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int ro
         }
     }
 }
+
+/* One tile function per weight format (chosen once, in tile_fn): each holds its body for 1..8 rows
+   only, as one function holding all four formats' 32 bodies measured slower (a 4-row tile took
+   1.6x a 5-row one). */
+#define VNNI_TILE(NAME, BODY)                                                                       \
+    static void NAME(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,         \
+                     int y_dtype, int64_t n) {                                                      \
+        __m512 out[RT];                                                                             \
+        switch (rows) {                                                                             \
+        case 1: BODY(1); break;                                                                     \
+        case 2: BODY(2); break;                                                                     \
+        case 3: BODY(3); break;                                                                     \
+        case 4: BODY(4); break;                                                                     \
+        case 5: BODY(5); break;                                                                     \
+        case 6: BODY(6); break;                                                                     \
+        case 7: BODY(7); break;                                                                     \
+        default: BODY(RT); break;                                                                   \
+        }                                                                                           \
+        store_vnni(out, b, r0, rows, y, y_dtype, n);                                                \
+    }
+#define ROW_SCALES(R) vnni_body(w, b, a, r0, R, 0, out)
+#define GROUPS_OF_16(R) vnni_body(w, b, a, r0, R, 16, out)
+#define GROUPS_OF_32(R) vnni_body(w, b, a, r0, R, 32, out)
+#define NIBBLES(R) vnni_body4(w, b, a, r0, R, out)
+VNNI_TILE(tile_vnni_rows, ROW_SCALES)
+VNNI_TILE(tile_vnni_g16, GROUPS_OF_16)
+VNNI_TILE(tile_vnni_g32, GROUPS_OF_32)
+VNNI_TILE(tile4_vnni, NIBBLES)
 #pragma GCC pop_options
 #else
 #define HAVE_X86 0
 #endif
 
-/* The tile of path `isa` for 8-bit (four = 0) or 4-bit weights; NULL when the CPU lacks it. */
-static TileFn tile_fn(int isa, int four) {
+/* The tile of path `isa` for 8-bit weights with scales per wg inputs (0: per row) or 4-bit weights
+(four); NULL when the CPU lacks the path. */
+static TileFn tile_fn(int isa, int four, int wg) {
 #if HAVE_X86
     __builtin_cpu_init();
     if (isa == ISA_VNNI && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512vl"))
-        return tile_vnni;
+        return four ? tile4_vnni : wg == 0 ? tile_vnni_rows : wg == 16 ? tile_vnni_g16 : tile_vnni_g32;
     if (isa == ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
         && __builtin_cpu_supports("f16c"))
         return four ? tile4_avx2 : tile_avx2;
@@ -495,7 +500,7 @@ static TileFn tile_fn(int isa, int four) {
 static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n, void *y, int y_dtype,
                int isa, int threads) {
     const int64_t k = w->k;
-    TileFn tile = tile_fn(isa, w->minimum != NULL);
+    TileFn tile = tile_fn(isa, w->minimum != NULL, w->wg);
     if (tile == NULL) return -1;
     if (k % GROUP) return -2;
     if (w->wg != 0 && w->wg != 16 && w->wg != 32) return -4;
@@ -547,6 +552,6 @@ int confkv_q4i_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const
 int confkv_q8_supported(void) {
     int bits = 1 << ISA_SCALAR;
     for (int isa = ISA_AVX2; isa <= ISA_VNNI; isa++)
-        if (tile_fn(isa, 0) != NULL) bits |= 1 << isa;
+        if (tile_fn(isa, 0, 0) != NULL) bits |= 1 << isa;
     return bits;
 }
