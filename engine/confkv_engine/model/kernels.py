@@ -202,9 +202,10 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     fp32 activations) PyTorch's int4 loses to fp32 GEMM at every row count, one row included
     (8.1 vs 6.7 ms), and ``q4n`` wins up to 16 rows (5.7 vs 6.7, 8.1 vs 8.3, 2.3 vs 2.7 ms at
     1 / 4 / 16) and loses at 32 (4.2 vs 3.5 ms); the 16-row block kernel that replaced that
-    ``q4n`` took 0.134 / 0.367 / 1.088 / 1.739 ms against fp32 GEMM's 0.435 / 1.214 / 1.850 / 2.481
-    at 1 / 4 / 16 / 32 rows under the AVX2 emulation (``bench.micro.int8_kernels --kind int4``);
-    the bucket stays at 16 (64 rows unmeasured). With native bf16 (AMX) PyTorch's int4 and int8
+    ``q4n`` took 0.134 / 0.367 / 1.088 / 1.739 / 4.11 / 16.1 ms against fp32 GEMM's 0.435 / 1.214 /
+    1.850 / 2.481 / 5.71 / 19.1 at 1 / 4 / 16 / 32 / 64 / 256 rows under the AVX2 emulation
+    (``bench.micro.int8_kernels --kind int4``), so it serves every row count there (576 x 576 and
+    576 x 1,536 alone lose at 256 rows, by 13 % and 11 %). With native bf16 (AMX) PyTorch's int4 and int8
     with bf16 activations beat bf16 GEMM up to 4 rows and it wins from 16 (int4: 0.70 vs 0.89 ms)."""
     if kind == "dense":
         return "dense"
@@ -219,8 +220,9 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     if not info.native_bf16:
         # int8 weight-only with fp32 activations lost to fp32 GEMM even at one row (the 49,152 x
         # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so without q8n int8 weights run
-        # dense here.
-        return "q4n" if kind == "int4" and native and rows <= 16 else "dense"
+        # dense here. int4 takes q4n at every row count (the block kernel's measurements in the
+        # docstring), so no dense copy of the int4 weights is kept.
+        return "q4n" if kind == "int4" and native else "dense"
     # int8 (PyTorch's weight-only kernel, bf16 activations) also stops at 4 rows: its time grows
     # with the rows where bf16 GEMM's stays flat. Gemma 3's 262,144 x 640 LM head, 2 threads:
     # 20.1 vs 23.1 ms at 4 rows, 37.0 vs 23.2 at 8, 75.1 vs 23.9 at 16; its layers' 4,096 x 640
