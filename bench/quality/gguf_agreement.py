@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     mean = sum(r["mean_abs_logprob_diff"] * r["greedy_common_prefix"] for r in rows) / max(1, scored)
     print(f"equal to the end on {sum(r['greedy_common_prefix'] == r['greedy_tokens'] for r in rows)} of "
           f"{len(rows)} texts; mean |dlp| over the {scored} common tokens {mean:.4f}")
-    report = {"model": args.model, "gguf": str(path), "weights": args.weights, "threads": args.threads,
-              "llama_server": {"binary": binary, "variant": variant, "failed_variants": failures},
+    # file names only: a report names no machine path
+    report = {"model": args.model, "gguf": path.name, "weights": args.weights, "threads": args.threads,
+              "llama_server": {"binary": Path(binary).name, "variant": variant, "failed_variants": failures},
               "machine": machine(), "rows": rows}
     write_report(report, args.out)
     return 0

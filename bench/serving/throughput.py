@@ -322,7 +322,7 @@ class Bench:
                     "new_tokens": args.new_range, "source": "pydoc_data.topics", "ignore_eos": True,
                     "greedy": True, "requests_per_level": {c: requests_for(c) for c in args.levels}}
         return {
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "command": " ".join(["python -m bench.serving.throughput", *sys.argv[1:]]),  # no machine paths
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                         "threads": args.threads, "load_average_at_end": os.getloadavg()},
