@@ -375,9 +375,9 @@ static inline __attribute__((always_inline)) void vnni_body(const W8 *w, int64_t
             const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)group_of(w->half, w, b, g * parts + h)));
             _Pragma("GCC unroll 8")
             for (int r = 0; r < rows; r++) {
-                const float flip = wg == 16 ? a->flip16[(r0 + r) * (k / 16) + 2 * g + h] : a->flip32[(r0 + r) * groups + g];
+                const float added = wg == 16 ? a->flip16[(r0 + r) * (k / 16) + 2 * g + h] : a->flip32[(r0 + r) * groups + g];
                 const __m512 exact = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(a->s[(r0 + r) * groups + g]),
-                                                     _mm512_set1_ps(flip));
+                                                     _mm512_set1_ps(added)); /* what the flip added, scaled */
                 out[r] = _mm512_fmadd_ps(ws, exact, out[r]);
             }
         }
