@@ -104,7 +104,8 @@ class Int8GroupWeight:
 GROUPED_INT8_TYPES = {"Q8_0": (34, 32, 32), "Q5_0": (22, 32, 32), "Q6_K": (210, QK_K, 16)}
 # Of those, the ones the loader serves as ``Int8GroupWeight``: Q6_K's groups of 16 double the kernel's
 # per-group work, and at 32 rows its 640 x 2,048 layers took 2x their dense bf16 copy (Gemma 3,
-# 9 layers: 6.6 against about 3 ms a step; the plan keeps one kernel per kind), so Q6_K stays dense.
+# 9 layers: 6.6 against about 3 ms a step, scratch timing of the loaded layers, not a bench/ run;
+# the plan keeps one kernel per kind), so Q6_K stays dense.
 GROUPED_INT8_SERVED = frozenset({"Q8_0", "Q5_0"})
 
 
