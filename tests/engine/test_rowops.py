@@ -68,10 +68,22 @@ def test_qk_rope_matches_reference(dtype: torch.dtype, rows: int, qk_norm: bool,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_activations_match_reference(dtype: torch.dtype) -> None:
-    gate_up = _rand(rowops.ACT_MAX_ROWS, 2 * 1536, dtype=dtype, seed=7, scale=3.0)
+    gate_up = _rand(rowops.ACT_MAX_ROWS["silu"], 2 * 1536, dtype=dtype, seed=7, scale=3.0)
     _close(rowops.gated_act(gate_up, "silu"), llama.silu_mul(*gate_up.chunk(2, -1)))
     got, ref = rowops.gated_act(gate_up, "gelu_pytorch_tanh"), llama.gelu_tanh_mul(*gate_up.chunk(2, -1))
     _close(got, ref, share=0.02)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 40])
+def test_gelu_at_any_row_count_and_far_tails(dtype: torch.dtype, rows: int) -> None:
+    """GELU runs natively at every row count (40: the OpenMP path); its exp is clamped far out in
+    both tails, where the result is the input itself or zero to within the tolerance."""
+    gate_up = _rand(rows, 2 * 2048, dtype=dtype, seed=8, scale=3.0)
+    gate_up[:, :8] = torch.tensor([-200.0, -90.0, -12.0, -0.0, 1e-30, 12.0, 90.0, 200.0]).to(dtype)
+    got = rowops.gated_act(gate_up, "gelu_pytorch_tanh")
+    assert got is not None
+    _close(got, llama.gelu_tanh_mul(*gate_up.chunk(2, -1)), share=0.02)
 
 
 def test_declines_what_it_does_not_serve() -> None:
@@ -81,7 +93,7 @@ def test_declines_what_it_does_not_serve() -> None:
     assert rowops.rms_norm(x.t().contiguous().t(), torch.ones(2), 1e-5) is None  # not contiguous
     assert rowops.rms_norm(x.requires_grad_(), w, 1e-5) is None  # autograd
     assert rowops.gated_act(torch.randn(2, 8), "relu") is None
-    assert rowops.gated_act(torch.randn(rowops.ACT_MAX_ROWS + 1, 8), "silu") is None  # PyTorch's, vectorised
+    assert rowops.gated_act(torch.randn(rowops.ACT_MAX_ROWS["silu"] + 1, 8), "silu") is None  # PyTorch's
 
 
 def _fused(model: LlamaForCausalLM) -> LlamaForCausalLM:

@@ -5,7 +5,8 @@ Why: at one decode row RMSNorm, RoPE and the gated activation are a few hundred 
 their PyTorch ops cost more in dispatch than in arithmetic (an RMSNorm is eight ops, ~35 us a call
 on the development machine; a layer makes several such calls). Each native function repeats its
 reference's roundings (fp32 statistics, bf16 results rounded to nearest even where the reference
-rounds), so outputs match the reference up to the order of a sum and the last bit of exp / tanh.
+rounds), so outputs match the reference up to the order of a sum and the last bit of exp / tanh (the
+activation computes GELU's ``1 + tanh(y)`` as ``2 sigmoid(2 y)``, through one exp).
 
 Every function returns None (or False) when it does not apply, and the caller runs the reference:
 library not built (no C compiler at install), ``CONFKV_NATIVE_ROWOPS=0``, a tensor not on the CPU,
@@ -24,10 +25,11 @@ from torch import Tensor
 from confkv_engine.model.native import LIBRARY, find_library
 
 SWITCH = "CONFKV_NATIVE_ROWOPS"
-# The gated activation calls scalar expf / tanhf per element where PyTorch's kernels are vectorised:
-# it wins on dispatch at a row or two and loses above (prefill@512 of SmolLM2: norm/rope/act 61 -> 95
-# ms per step with it at every row count, bench/micro/profile_step.py), so more rows take PyTorch's.
-ACT_MAX_ROWS = 2
+# The gated activation's native loop (a vectorised exp) against PyTorch's kernels, 2 threads, bf16, the
+# EPYC development machine, scratch timing of the C call: GELU (tanh form, 2 x 2,048) 6.5 against 9.5 us
+# at one row, 0.84 against 1.15 ms at 512 rows; SiLU (2 x 1,536) 4.7 against 6.1 us at one row, level
+# at 4-32 rows, 0.60 against 0.32 ms at 512. So GELU runs natively at every row count, SiLU at up to 2.
+ACT_MAX_ROWS = {"silu": 2, "gelu_pytorch_tanh": 1 << 62}
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -117,11 +119,11 @@ def qk_rope_(qkv: Tensor, heads: int, nq: int, cos: Tensor, sin: Tensor, norm_we
 
 def gated_act(gate_up: Tensor, act: str) -> Tensor | None:
     """``act(gate) * up`` for ``gate_up`` [..., 2 I] whose halves are gate and up, or None (also above
-    ``ACT_MAX_ROWS`` rows)."""
+    the activation's ``ACT_MAX_ROWS``)."""
     lib = _library()
     inter = gate_up.shape[-1] // 2
     rows = gate_up.numel() // max(1, 2 * inter)
-    if lib is None or act not in ACTS or rows > ACT_MAX_ROWS or not _fits(gate_up):
+    if lib is None or act not in ACTS or rows > ACT_MAX_ROWS[act] or not _fits(gate_up):
         return None
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
     rc = lib.confkv_gated_act(gate_up.data_ptr(), out.data_ptr(), rows, inter, ACTS[act],
