@@ -3,7 +3,8 @@ int4), bf16 (or fp32) GEMM on a dense copy, and the native block kernel (``q8n``
 model/_q8matmul.c), at a few row counts.
 
 ``--kind``: ``int8`` (one scale per row: ``quantize_int8``), ``int8g`` (a scale per row and group of
-32, as GGUF's Q8_0 / Q5_0 are served; PyTorch's per-row int8 of the same values beside it) or
+32, as GGUF's Q8_0 / Q5_0 are served, or of ``--group 16``, as Q6_K's sub-blocks; PyTorch's per-row
+int8 of the same values beside it) or
 ``int4`` (groups of 32: ``quantize_int4``, PyTorch's int4 beside it). Random weights (N(0, 0.02)),
 activations N(0, 1) in the kernel table's
 activation dtype, ``--threads`` threads. Every candidate is timed in the same rounds, interleaved
@@ -48,14 +49,15 @@ def best_ms(fns: dict[str, kernels.KernelFn], x: torch.Tensor, rounds: int) -> d
     return best
 
 
-def candidates(kind: str, w: torch.Tensor, dtype: torch.dtype) -> tuple[dict[str, kernels.KernelFn], Any]:
+def candidates(kind: str, w: torch.Tensor, dtype: torch.dtype,
+               group: int = 32) -> tuple[dict[str, kernels.KernelFn], Any]:
     """PyTorch's weight-only kernel and the dense copy for ``kind``, and the weight the native
     kernel gets."""
     if kind == "int4":
         weight: Any = quantize_int4(w)
         return {"int4": kernels.int4_kernel(weight, None, dtype),
                 "dense": kernels.dense_kernel(weight.dequantize(), None, dtype)}, weight
-    weight = quantize_int8_groups(w) if kind == "int8g" else quantize_int8(w)
+    weight = quantize_int8_groups(w, group) if kind == "int8g" else quantize_int8(w)
     per_row = quantize_int8(weight.dequantize())
     return {"int8": kernels.int8_kernel(per_row, None, dtype),
             "dense": kernels.dense_kernel(weight.dequantize(), None, dtype)}, weight
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--int8-max-rows", type=int, default=64)
     p.add_argument("--kind", choices=("int8", "int8g", "int4"), default="int8")
+    p.add_argument("--group", type=int, default=32, choices=(16, 32), help="int8g: inputs per scale")
     p.add_argument("--out", help="file name under bench/results/micro")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
-        fns, weight = candidates(args.kind, torch.randn(n, k, generator=gen) * 0.02, dtype)
+        fns, weight = candidates(args.kind, torch.randn(n, k, generator=gen) * 0.02, dtype, args.group)
         if isa is not None:
             fns[native] = (kernels.q4n_kernel if args.kind == "int4" else kernels.q8n_kernel)(
                 weight, None, dtype)  # type: ignore[arg-type]
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         OUT_DIR.mkdir(parents=True, exist_ok=True)
         meta = {"command": "python -m bench.micro.int8_kernels " + " ".join(argv),
                 "cpu": kernels.cpu_info().model, "threads": args.threads, "dtype": str(dtype),
-                "kind": args.kind, "native_isa": isa, "rounds": args.rounds}
+                "kind": args.kind, "group": args.group if args.kind == "int8g" else None, "native_isa": isa,
+                "rounds": args.rounds}
         (OUT_DIR / args.out).write_text(json.dumps({**meta, "results": results}, indent=2))
     return 0
 

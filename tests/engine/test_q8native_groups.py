@@ -1,6 +1,7 @@
 """Int8 weights with a scale per group (``Int8GroupWeight``): GGUF's Q8_0 / Q5_0 / Q6_K blocks read
-exactly (no second rounding; the loader serves Q8_0 / Q5_0 so), the native kernel's group-scale
-paths (groups of 32 and 16) against a float64 reference, and the module plan.
+exactly (no second rounding; the loader serves Q8_0 / Q5_0 so, and Q6_K with its group scales rounded
+to fp16 for the kernel at a few rows), the native kernel's group-scale paths (groups of 32 and 16)
+against a float64 reference, and the module plans.
 
 Every kernel path this CPU has runs (scalar always); a path the CPU lacks is skipped and says so.
 """
@@ -119,6 +120,18 @@ def test_pack_groups_layout() -> None:
         q8native.pack(Int8GroupWeight(weight.q, weight.scale + 1e-7, 16))
 
 
+def test_pack_rounds_scales_only_when_asked() -> None:
+    """Q6_K's d * sc_j: rounded to the nearest fp16 on request, at most 2^-11 of each scale."""
+    d = torch.tensor([0.0123], dtype=torch.float16).float()
+    scale = (d * torch.arange(-32, 32).float()).view(4, 16)  # an fp16 times a 6-bit integer
+    assert not torch.equal(scale.half().float(), scale)  # some products are not fp16 values
+    weight = Int8GroupWeight(torch.ones(4, 256, dtype=torch.int8), scale, 16)
+    packed = q8native.pack(weight, round_scales=True)
+    got = packed.scale[0, :, :4].t().float()
+    assert torch.equal(got, scale.half().float())
+    assert ((got - scale).abs() <= scale.abs() * 2**-11).all()
+
+
 @needs_library
 def test_module_plan_and_fusion() -> None:
     """Group weights are kind int8g: fused when their groups match, served by q8n where it runs."""
@@ -144,3 +157,25 @@ def test_derived_plan_for_group_weights(native8: bool, expected: str) -> None:
     vnni = kernels.CpuInfo("AVX512", frozenset({"avx2", "fma", "avx512vl", "avx512_vnni"}), "vnni")
     plan = [kernels.derived_choice("int8g", r, vnni, native8=native8) for r in kernels.ROW_GRID]
     assert plan == [expected] * 5
+    # Groups of 16 (Q6_K): q8n up to INT8G16_MAX_ROWS (4: the grid's first two buckets), then dense.
+    plan16 = [kernels.derived_choice("int8g16", r, vnni, native8=native8) for r in kernels.ROW_GRID]
+    assert plan16 == ([expected] * 2 + ["dense"] * 3 if native8 else ["dense"] * 5)
+
+
+@needs_library
+def test_groups_of_16_are_their_own_kind() -> None:
+    """An Int8GroupWeight of 16 is kind int8g16: q8n at one row on rounded scales, the exact dense
+    copy it was given above the plan's limit."""
+    gen = torch.Generator().manual_seed(6)
+    d = torch.tensor(0.0107, dtype=torch.float16).float()
+    weight = Int8GroupWeight(torch.randint(-32, 32, (32, 64), generator=gen, dtype=torch.int8),
+                             d * torch.randint(1, 64, (32, 4), generator=gen).float(), 16)
+    table = kernels.KernelTable({kernels.KernelTable.key("int8g16", 32, 64): ["q8n"] * 2 + ["dense"] * 3},
+                                "measured")
+    dense = weight.dequantize()
+    layer = build_quant_linear(weight, None, torch.float32, table, dense=dense)
+    assert layer.kind == "int8g16" and [layer.kernel_for(r) for r in (1, 4, 5)] == ["q8n", "q8n", "dense"]
+    x = torch.randn(8, 64, generator=gen)
+    assert torch.allclose(layer(x), x @ dense.t(), atol=1e-5)  # 8 rows: the exact dense copy
+    one = x[:1] @ dense.t()
+    assert ((layer(x[:1]) - one).norm() / one.norm()).item() < 0.01

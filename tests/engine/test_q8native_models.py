@@ -1,7 +1,8 @@
 """The real models with their int8 weights on the native kernel (``q8n``) against the fp32 model:
 SmolLM2's tied Q8_0 head, and (when its optional package is installed) Gemma 3's Q8_0 head,
 Q5_0 / Q8_0 q/k/v and gate/up, read as stored (int8 with their group
-scales, ``int8g``) where the kernel serves them. Served as the engine serves them
+scales, ``int8g``) where the kernel serves them, and its Q6_K down projections (``int8g16``: q8n at
+decode rows only). Served as the engine serves them
 (``weights="auto"``), once with ``q8n`` and once with ``CONFKV_NATIVE_INT8=0`` (PyTorch's int8 /
 dense kernels), prefill and decode rows.
 
@@ -41,9 +42,9 @@ def served_logits(name: str, weights: str, monkeypatch: pytest.MonkeyPatch, q8n:
         monkeypatch.setenv(q8native.SWITCH, "0")
     loaded = load_model(f"builtin:{name}", weights=weights)
     tokens = loaded.tokenizer.encode(TEXT)[:PROMPT + 8]
-    int8 = [m for m in loaded.model.modules() if isinstance(m, QuantLinear) and m.kind in ("int8", "int8g")]
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     with torch.inference_mode():
-        return dense_logits(loaded.model, tokens, PROMPT).float(), tokens, int8
+        return dense_logits(loaded.model, tokens, PROMPT).float(), tokens, layers
 
 
 def next_token_nll(logits: torch.Tensor, tokens: list[int]) -> float:
@@ -53,10 +54,16 @@ def next_token_nll(logits: torch.Tensor, tokens: list[int]) -> float:
 @pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("gemma3-270m", marks=GEMMA)])
 def test_q8n_logits_against_the_kernels_it_replaces(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ref, tokens, _ = served_logits(name, "fp32", monkeypatch, True)
-    on, _, on_layers = served_logits(name, "auto", monkeypatch, True)
+    on, _, on_all = served_logits(name, "auto", monkeypatch, True)
     _, _, off_layers = served_logits(name, "auto", monkeypatch, False)
+    on_layers = [m for m in on_all if m.kind in ("int8", "int8g")]
     assert on_layers and all(m.kernel_for(r) == "q8n" for m in on_layers for r in (1, PROMPT))
     assert not any(m.kernel_for(r) == "q8n" for m in off_layers for r in (1, PROMPT))
+    # Gemma 3's Q6_K down projections: q8n at one row, their exact dense copy at the prompt's rows
+    # (which is what these logits exercise); SmolLM2 has no Q6_K tensor.
+    g16 = [m for m in on_all if m.kind == "int8g16"]
+    assert len(g16) == (9 if name == "gemma3-270m" else 0)
+    assert all(m.kernel_for(1) == "q8n" and m.kernel_for(PROMPT) == "dense" for m in g16)
     rms = ((on - ref).pow(2).mean(-1) / ref.pow(2).mean(-1)).sqrt()
     assert rms.mean().item() <= 0.1, rms
     nll_ref, nll_on = next_token_nll(ref, tokens), next_token_nll(on, tokens)

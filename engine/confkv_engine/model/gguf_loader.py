@@ -7,8 +7,9 @@ layout, so those rows are permuted back. qwen2, qwen3 and gemma3 files are writt
 Gemma 3 files store its norms as the ``1 + w`` they multiply by (the model's convention too); what
 the file does not say is llama.cpp's: every sixth layer global, the others sliding-window with RoPE
 base 10,000 (``rope.freq_base_swa`` when present), scores scaled by ``key_length ** -0.5``
-(hidden / heads for the 62-layer 27B). Q4_K linears stay 4-bit (``quant.unpack_q4_k``); Q5_K and
-Q6_K ones are served dense in the activation dtype rather than requantized.
+(hidden / heads for the 62-layer 27B). Q4_K linears stay 4-bit (``quant.unpack_q4_k``); Q5_K ones
+are served dense in the activation dtype rather than requantized, and so are Q6_K ones but where the
+native int8 kernel serves their exact groups of 16 at a few rows (``quantized_linears``).
 """
 
 from __future__ import annotations
@@ -280,11 +281,11 @@ def quantized_linears(model: GGUFModel, prefer_int4: bool,
                       grouped_int8: bool = False) -> dict[str, QuantWeight]:
     """Linear weights stored quantized in the file, converted without an fp32 model copy: Q4_0 /
     Q4_1 / Q4_K -> exact int4 groups when ``prefer_int4``; Q8_0 / Q5_0 -> exact int8 groups
-    (``Int8GroupWeight``) when ``grouped_int8`` (the native int8 kernel serves them); Q5_K / Q6_K
-    are otherwise left out (served dense: requantizing them would round them a second time); every
-    other quantized type -> per-row int8 of the dequantized tensor. F32 / F16 / BF16 tensors are
-    left out, and so are the ``quant.INT8_DENSE_LINEARS`` when not ``prefer_int4`` (the ``int8``
-    mode)."""
+    and Q6_K -> exact int8 groups of 16 (``Int8GroupWeight``) when ``grouped_int8`` (the native int8
+    kernel serves them); Q5_K / Q6_K are otherwise left out (served dense: requantizing them would
+    round them a second time); every other quantized type -> per-row int8 of the dequantized
+    tensor. F32 / F16 / BF16 tensors are left out, and so are the ``quant.INT8_DENSE_LINEARS`` when
+    not ``prefer_int4`` (the ``int8`` mode)."""
     out: dict[str, QuantWeight] = {}
     permuted = model.architecture == "llama"
     for path, tensor in _linear_sources(model):

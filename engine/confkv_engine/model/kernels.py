@@ -158,7 +158,8 @@ def q8n_kernel(weight: Int8Weight | Int8GroupWeight, bias: Tensor | None, dtype:
     isa = native_int8_isa()
     if isa is None:
         raise RuntimeError("the native int8 kernel is not available on this machine")
-    packed = q8native.pack(weight)
+    # Groups of 16 (Q6_K) round their scales to fp16 (``q8native.pack`` says by how much).
+    packed = q8native.pack(weight, round_scales=getattr(weight, "group", 0) == 16)
     b = None if bias is None else bias.to(dtype)
 
     def run(x: Tensor) -> Tensor:
@@ -182,7 +183,12 @@ def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> 
 # on this model's layers, whose activations have outlier channels, it measured 4-7 % relative
 # output error against 0.3 % for int4 weight-only with bf16 activations.
 CANDIDATES = {"int4": ("q4n", "int4", "dense"), "int8": ("q8n", "int8", "dense"), "int8g": ("q8n", "dense"),
-              "dense": ("dense",)}
+              "int8g16": ("q8n", "dense"), "dense": ("dense",)}
+# int8 with a scale per row and group of 16 inputs (GGUF's Q6_K sub-blocks) doubles q8n's per-group
+# work: Gemma 3's 640 x 2,048 Q6_K layers, 2 threads, bf16, best of 15 interleaved rounds
+# (``bench.micro.int8_kernels --kind int8g --group 16``, EPYC): 0.041 / 0.051 / 0.079 / 0.135 /
+# 0.253 ms at 1 / 2 / 4 / 8 / 16 rows against bf16 GEMM's 0.096 / 0.080 / 0.092 / 0.118 / 0.163.
+INT8G16_MAX_ROWS = 4
 
 
 def candidates(kind: str) -> tuple[str, ...]:
@@ -209,6 +215,8 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     with bf16 activations beat bf16 GEMM up to 4 rows and it wins from 16 (int4: 0.70 vs 0.89 ms)."""
     if kind == "dense":
         return "dense"
+    if kind == "int8g16":  # q8n while it wins, then the layer's dense copy (INT8G16_MAX_ROWS)
+        return "q8n" if rows <= INT8G16_MAX_ROWS and _q8n_everywhere(info, native8) else "dense"
     if kind in ("int8", "int8g") and _q8n_everywhere(info, native8):
         return "q8n"
     if kind == "int8g":  # only q8n reads group scales (the loader makes them only where it runs)
@@ -312,8 +320,8 @@ def _make(name: str, kind: str, w: Tensor, dtype: torch.dtype) -> KernelFn:
         return dense_kernel(w, None, dtype)
     if name in ("int4", "q4n"):
         return (int4_kernel if name == "int4" else q4n_kernel)(quantize_int4(w), None, dtype)
-    if kind == "int8g":
-        return q8n_kernel(quantize_int8_groups(w), None, dtype)
+    if kind in ("int8g", "int8g16"):
+        return q8n_kernel(quantize_int8_groups(w, 16 if kind == "int8g16" else 32), None, dtype)
     return (int8_kernel if name == "int8" else q8n_kernel)(quantize_int8(w), None, dtype)
 
 

@@ -81,8 +81,12 @@ class PackedInt8:
         return self.n, self.q.shape[1] * 4
 
 
-def pack(weight: Int8Weight | Int8GroupWeight) -> PackedInt8:
-    """``Int8Weight`` / ``Int8GroupWeight`` -> the library's layout (a rearranged copy)."""
+def pack(weight: Int8Weight | Int8GroupWeight, round_scales: bool = False) -> PackedInt8:
+    """``Int8Weight`` / ``Int8GroupWeight`` -> the library's layout (a rearranged copy). Group scales
+    must be fp16 values unless ``round_scales``: Q6_K's ``d * sc_j`` (an fp16 times a 6-bit integer) is
+    rounded to fp16 then, at most 2^-11 of each scale, 16 times under the int8 rounding of the
+    activations this kernel makes anyway (the kernel plan uses it only at a few rows; above them the
+    layer's exact dense copy serves)."""
     n, k = weight.q.shape
     if k % 32:
         raise ValueError(f"the native int8 kernel needs in_features a multiple of 32, not {k}")
@@ -94,7 +98,7 @@ def pack(weight: Int8Weight | Int8GroupWeight) -> PackedInt8:
     packed = q.view((n + pad) // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
     if not group:
         return PackedInt8(packed, F.pad(weight.scale.to(torch.float32), (0, pad)).contiguous(), n)
-    if not torch.equal(weight.scale.half().float(), weight.scale.float()):
+    if not round_scales and not torch.equal(weight.scale.half().float(), weight.scale.float()):
         raise ValueError("the native int8 kernel keeps group scales in fp16; these are not fp16 values")
     return PackedInt8(packed, _blocks_of_16(weight.scale).half(), n, group)
 

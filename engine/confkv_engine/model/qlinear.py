@@ -54,7 +54,9 @@ class QuantLinear(nn.Module):
 
 
 def _kind(weight: QuantWeight) -> str:
-    return {Int4Weight: "int4", Int8GroupWeight: "int8g"}.get(type(weight), "int8")
+    if isinstance(weight, Int8GroupWeight):  # groups of 16 (Q6_K) have their own plan
+        return "int8g16" if weight.group == 16 else "int8g"
+    return "int4" if isinstance(weight, Int4Weight) else "int8"
 
 
 def build_quant_linear(weight: QuantWeight, bias: Tensor | None, dtype: torch.dtype,

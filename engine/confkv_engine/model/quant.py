@@ -31,8 +31,8 @@ Q4_K (super-blocks of 256 = 8 sub-blocks of 32, ``w = d * sc_j * q - dmin * m_j`
 ``sc_j``, ``m_j``) maps onto the same groups of 32 exactly: ``scale = d * sc_j``,
 ``zero = 8 * scale - dmin * m_j`` (``unpack_q4_k``). Q5_K and Q6_K have no such layout here (5 and
 6 bits): the loader serves them dense in the activation dtype instead of requantizing them
-(``DENSE_K_TYPES``); Q6_K converts exactly to int8 groups of 16 (``int8_groups``) but is not served
-so (``GROUPED_INT8_SERVED`` says why).
+(``DENSE_K_TYPES``), except where the native int8 kernel runs: there Q6_K converts exactly to int8
+groups of 16 (``int8_groups``), read by that kernel at a few rows, the dense copy above.
 """
 
 from __future__ import annotations
@@ -102,11 +102,10 @@ class Int8GroupWeight:
 
 # Types served exactly as ``Int8GroupWeight``: type -> (bytes per block, weights per block, group).
 GROUPED_INT8_TYPES = {"Q8_0": (34, 32, 32), "Q5_0": (22, 32, 32), "Q6_K": (210, QK_K, 16)}
-# Of those, the ones the loader serves as ``Int8GroupWeight``: Q6_K's groups of 16 double the kernel's
-# per-group work, and at 32 rows its 640 x 2,048 layers took 2x their dense bf16 copy (Gemma 3,
-# 9 layers: 6.6 against about 3 ms a step, scratch timing of the loaded layers, not a bench/ run;
-# the plan keeps one kernel per kind), so Q6_K stays dense.
-GROUPED_INT8_SERVED = frozenset({"Q8_0", "Q5_0"})
+# Of those, the ones the loader serves as ``Int8GroupWeight`` (all; Q6_K's groups of 16 are kind
+# ``int8g16``, served by q8n only at the few rows where it beats the layer's dense copy, see
+# ``kernels.INT8G16_MAX_ROWS``).
+GROUPED_INT8_SERVED = frozenset({"Q8_0", "Q5_0", "Q6_K"})
 
 
 def _group_scales(raw: np.ndarray, type_name: str, k: int) -> np.ndarray:
