@@ -26,7 +26,7 @@ PACKAGES = {"confkv_api": ROOT / "api", "confkv_engine": ROOT / "engine", "confk
 
 # engine room -> rooms it may import (besides itself); ``app`` is the composition root (server, cli).
 ALLOWED: dict[str, set[str]] = {
-    "model": set(),
+    "model": {"cache.codec"},  # the native-library loader only (the codec is below everything)
     "cache.codec": set(),
     "cache": {"cache.codec"},
     "cache.disk": {"cache", "cache.codec"},

@@ -11,27 +11,13 @@ name) turns the whole library off, for comparisons with PyTorch's kernels.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.machinery
-import os
-from pathlib import Path
+from confkv_engine.cache.codec.native import find_library
+
+__all__ = ["ISAS", "LIBRARY", "SWITCH", "find_library", "isa_for"]
 
 LIBRARY = "_native"
 SWITCH = "CONFKV_NATIVE_Q4"
 ISAS = {"scalar": 0, "avx2": 1, "vnni": 2}
-
-
-def find_library(directory: Path, name: str, switch: str) -> ctypes.CDLL | None:
-    """The extension ``name`` built into ``directory``, loaded with ctypes; None when it was not built
-    or the environment variable ``switch`` is "0". (``cache.codec.native`` has its own: the layering
-    keeps model below the codec.)"""
-    if os.environ.get(switch, "1") == "0":
-        return None
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = directory / f"{name}{suffix}"
-        if path.exists():
-            return ctypes.CDLL(str(path))
-    return None
 
 
 def isa_for(flags: frozenset[str]) -> str:
