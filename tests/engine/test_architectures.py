@@ -1,7 +1,7 @@
 """Architectures beyond Llama: GGUF parity with transformers for Qwen3 and Gemma 3 (written as
 llama.cpp's converter writes them), the sliding window being load-bearing, RoPE scalings against
 transformers' own frequency functions, K-quant serving (Q4_K exact in int4 groups, Q5_K / Q6_K
-dense), and the errors for what is not supported."""
+dense, Q6_K's int8 groups at decode rows where q8n runs), and the errors for what is not supported."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from confkv_engine.model import gguf_loader
+from confkv_engine.model import gguf_loader, kernels
 from confkv_engine.model.gguf_reader import read_gguf
 from confkv_engine.model.loader import load_model
 from confkv_engine.model.quant import unpack_q4
@@ -174,7 +175,11 @@ def _k_quant_model(tmp_path, qtype: Q, pack) -> tuple[str, np.ndarray]:
 @pytest.mark.parametrize(("qtype", "pack", "served"), [
     (Q.Q4_K, pack_q4_k, "int4"), (Q.Q5_K, pack_q5_k, "Linear"), (Q.Q6_K, pack_q6_k, "Linear")])
 def test_k_quant_linears_served_without_second_rounding(tmp_path, qtype, pack, served):
-    """Q4_K: an int4 kernel computes with the file's values; Q5_K / Q6_K: dense. Never requantized."""
+    """Q4_K: an int4 kernel computes with the file's values; Q5_K / Q6_K: dense. Never requantized.
+    Where q8n serves int8 at every row count, Q6_K is its exact int8 groups of 16 at up to 4 rows
+    (``int8g16``) and the file's values, dense, above."""
+    if qtype == Q.Q6_K and kernels.grouped_int8_served():
+        served = "int8g16"
     path, expected = _k_quant_model(tmp_path, qtype, pack)
     loaded = load_model(path, weights="int4")
     module = loaded.model.layers[0].mlp.up_proj  # its gate is F32 in this file, so nothing is fused
@@ -182,6 +187,12 @@ def test_k_quant_linears_served_without_second_rounding(tmp_path, qtype, pack, s
     weight = torch.from_numpy(expected).to(loaded.dtype)
     if served == "Linear":  # the file's values, rounded once, to the activation dtype
         assert torch.equal(module.weight, weight)
+    elif served == "int8g16":
+        x = torch.randn(8, 256).to(loaded.dtype)
+        assert module.kernel_for(8) == "dense" and torch.equal(module(x), F.linear(x, weight))
+        one = x[:1].float() @ torch.from_numpy(expected).t()
+        assert module.kernel_for(1) == "q8n"  # int8 activations and fp16-rounded scales
+        assert (module(x[:1]).float() - one).abs().max() <= 2e-2 * one.abs().max()
     else:
         x = torch.randn(3, 256).to(loaded.dtype)
         reference = x.float() @ torch.from_numpy(expected).t()
