@@ -170,3 +170,25 @@ def test_measured_table_times_q8n(monkeypatch: pytest.MonkeyPatch) -> None:
     table = kernels.measure_table([("int8", 256, 128)], torch.float32)
     assert table.choices[kernels.KernelTable.key("int8", 256, 128)] == ["q8n"] * 5
     assert {"q8n", "int8", "dense"} <= set(timed)
+
+
+@needs_library
+@pytest.mark.parametrize("isa", q8native.supported_isas())
+def test_bound_call_equals_the_checked_matmul(isa: str) -> None:
+    """``bound``'s resolved call gives ``matmul``'s result bit for bit, for int8 (row and group
+    scales) and int4 blocks; other dtypes, non-contiguous inputs and zero rows take the checked path."""
+    from confkv_engine.model.quant import quantize_int4, quantize_int8_groups
+
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 96, generator=gen) * 0.02
+    for packed in (q8native.pack(quantize_int8(w)), q8native.pack(quantize_int8_groups(w)),
+                   q8native.pack_int4(quantize_int4(w))):
+        for dtype in (torch.float32, torch.bfloat16):
+            run = q8native.bound(packed, isa, dtype)
+            x = torch.randn(5, 96, generator=gen).to(dtype)
+            assert torch.equal(run(x), q8native.matmul(x, packed, isa))
+            strided = torch.randn(96, 5, generator=gen).to(dtype).t()  # not contiguous
+            assert torch.equal(run(strided), q8native.matmul(strided.contiguous(), packed, isa))
+            other = x.float() if dtype == torch.bfloat16 else x.bfloat16()
+            assert torch.equal(run(other), q8native.matmul(other.to(dtype), packed, isa))
+            assert run(x[:0]).shape == (0, 40)

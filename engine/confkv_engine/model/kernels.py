@@ -136,13 +136,14 @@ def q4n_kernel(weight: Int4Weight, bias: Tensor | None, dtype: torch.dtype) -> K
     isa = native_isa()
     if isa is None:
         raise RuntimeError("the native int4 kernel is not available on this machine")
-    packed = q8native.pack_int4(weight)
-    b = None if bias is None else bias.to(dtype)
+    return _with_bias(q8native.bound(q8native.pack_int4(weight), isa, dtype), bias, dtype)
 
-    def run(x: Tensor) -> Tensor:
-        y = q8native.matmul(x.to(dtype), packed, isa)
-        return y if b is None else y + b
-    return run
+
+def _with_bias(fn: KernelFn, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
+    if bias is None:
+        return fn
+    b = bias.to(dtype)
+    return lambda x: fn(x) + b
 
 
 def native_int8_isa(info: CpuInfo | None = None) -> str | None:
@@ -160,12 +161,7 @@ def q8n_kernel(weight: Int8Weight | Int8GroupWeight, bias: Tensor | None, dtype:
         raise RuntimeError("the native int8 kernel is not available on this machine")
     # Groups of 16 (Q6_K) round their scales to fp16 (``q8native.pack`` says by how much).
     packed = q8native.pack(weight, round_scales=getattr(weight, "group", 0) == 16)
-    b = None if bias is None else bias.to(dtype)
-
-    def run(x: Tensor) -> Tensor:
-        y = q8native.matmul(x.to(dtype), packed, isa)
-        return y if b is None else y + b
-    return run
+    return _with_bias(q8native.bound(packed, isa, dtype), bias, dtype)
 
 
 def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:

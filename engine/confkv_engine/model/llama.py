@@ -208,7 +208,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         rope = self.ops.rope or apply_rope
         if self.qkv_proj is not None:  # q and k heads are adjacent: normed and rotated in one call
-            qkv = self.qkv_proj(x).view(t, self.nq + 2 * self.nkv, self.d)
+            qkv = self.qkv_proj.forward(x).view(t, self.nq + 2 * self.nkv, self.d)
             heads = self.nq + self.nkv
             qk, v = qkv[:, :heads], qkv[:, heads:]
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
@@ -237,7 +237,7 @@ class Attention(nn.Module):
             out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
         else:
             out = backend.attend(self.layer, q, k, v, window=self.window)
-        return self.o_proj(out.reshape(x.shape[0], self.nq * self.d))
+        return self.o_proj.forward(out.reshape(x.shape[0], self.nq * self.d))
 
 
 class MLP(nn.Module):
@@ -259,9 +259,9 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         act = self.act or self.ops.act or silu_mul
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
+            gate_up = self.gate_up_proj.forward(x)
             gated = rowops.gated_act(gate_up, self.act_name) if self.ops.act is None else None
-            return self.down_proj(act(*gate_up.chunk(2, dim=-1)) if gated is None else gated)
+            return self.down_proj.forward(act(*gate_up.chunk(2, dim=-1)) if gated is None else gated)
         return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -279,15 +279,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
         pre, post = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        attn = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, backend)
         if pre is None or post is None:  # Llama: x + attn, then its norm, in one native call
             fused = self._add_norm(x, attn, self.post_attention_layernorm)
             x, h = fused or (x + attn, None)
-            return x + self.mlp(h if h is not None else self.post_attention_layernorm(x))
+            return x + self.mlp.forward(h if h is not None else self.post_attention_layernorm(x))
         # Gemma: x + post-norm(attn), then the pre-feedforward norm; x + post-norm(mlp) at the end.
         fused = self._add_norm(x, attn, pre, self.post_attention_layernorm)
         x, h = fused or (x + self.post_attention_layernorm(attn), None)
-        mlp = self.mlp(h if h is not None else pre(x))
+        mlp = self.mlp.forward(h if h is not None else pre(x))
         fused = self._add_norm(x, mlp, None, post)
         return fused[0] if fused else x + post(mlp)
 
@@ -335,8 +335,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale is not None:  # in the activation dtype, as Gemma rounds it
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        # Layers call their children's ``forward`` directly on the per-step path: at one decode row
+        # ``nn.Module.__call__``'s hook bookkeeping, about 240 calls a step for SmolLM2, cost several
+        # per cent of the step, and no hooks are registered on these modules.
         for i, layer in enumerate(self.layers):
-            x = layer(x, *(rope if self.args.window(i) is None else local), backend)
+            x = layer.forward(x, *(rope if self.args.window(i) is None else local), backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: Tensor, fp32: bool = True) -> Tensor:
