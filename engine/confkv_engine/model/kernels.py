@@ -182,8 +182,9 @@ CANDIDATES = {"int4": ("q4n", "int4", "dense"), "int8": ("q8n", "int8", "dense")
               "int8g16": ("q8n", "dense"), "dense": ("dense",)}
 # int8 with a scale per row and group of 16 inputs (GGUF's Q6_K sub-blocks) doubles q8n's per-group
 # work: Gemma 3's 640 x 2,048 Q6_K layers, 2 threads, bf16, best of 15 interleaved rounds
-# (``bench.micro.int8_kernels --kind int8g --group 16``, EPYC): 0.041 / 0.051 / 0.079 / 0.135 /
-# 0.253 ms at 1 / 2 / 4 / 8 / 16 rows against bf16 GEMM's 0.096 / 0.080 / 0.092 / 0.118 / 0.163.
+# (``bench.micro.int8_kernels --kind int8g --group 16``, EPYC, ``int8g16-kernels.json``): 0.039 /
+# 0.052 / 0.090 / 0.133 / 0.250 ms at 1 / 2 / 4 / 8 / 16 rows against bf16 GEMM's 0.088 / 0.083 /
+# 0.105 / 0.113 / 0.163. The dense copy is kept beside the codes (Gemma 3: +12 MB).
 INT8G16_MAX_ROWS = 4
 
 
