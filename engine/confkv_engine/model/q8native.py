@@ -84,10 +84,10 @@ class PackedInt8:
 
 def pack(weight: Int8Weight | Int8GroupWeight, round_scales: bool = False) -> PackedInt8:
     """``Int8Weight`` / ``Int8GroupWeight`` -> the library's layout (a rearranged copy). Group scales
-    must be fp16 values unless ``round_scales``: Q6_K's ``d * sc_j`` (an fp16 times a 6-bit integer) is
-    rounded to fp16 then, at most 2^-11 of each scale, 16 times under the int8 rounding of the
-    activations this kernel makes anyway (the kernel plan uses it only at a few rows; above them the
-    layer's exact dense copy serves)."""
+    must be fp16 values unless ``round_scales``: Q6_K's ``d * sc_j`` (an fp16 times an 8-bit integer)
+    is rounded to fp16 then, at most 2^-11 of each scale, at least 8 times under the int8 rounding
+    of the activations this kernel makes anyway (up to 2^-8 of a group's largest value). The plan
+    uses it at a few rows only; above them the layer's exact dense copy serves."""
     n, k = weight.q.shape
     if k % 32:
         raise ValueError(f"the native int8 kernel needs in_features a multiple of 32, not {k}")
