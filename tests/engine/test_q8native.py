@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from confkv_engine.model import kernels, q8native
 from confkv_engine.model.qlinear import build_quant_linear
-from confkv_engine.model.quant import Int8Weight, quantize_int8
+from confkv_engine.model.quant import Int8Weight, quantize_int4, quantize_int8, quantize_int8_groups
 
 needs_library = pytest.mark.skipif(not q8native.supported_isas(), reason="native library not built")
 
@@ -177,8 +177,6 @@ def test_measured_table_times_q8n(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bound_call_equals_the_checked_matmul(isa: str) -> None:
     """``bound``'s resolved call gives ``matmul``'s result bit for bit, for int8 (row and group
     scales) and int4 blocks; other dtypes, non-contiguous inputs and zero rows take the checked path."""
-    from confkv_engine.model.quant import quantize_int4, quantize_int8_groups
-
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(40, 96, generator=gen) * 0.02
     for packed in (q8native.pack(quantize_int8(w)), q8native.pack(quantize_int8_groups(w)),
