@@ -26,7 +26,8 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from confkv_api.config import ConfigError, ConfKVConfig, load_config, load_config_file, parse_duration
+from confkv_api.config import ConfigError, ConfKVConfig, load_config, load_config_file
+from confkv_api.units import parse_duration
 
 from .apply import EngineClient
 from .endpoint import serve_http

@@ -31,7 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from confkv_api.config import RemediationSection, parse_duration
+from confkv_api.config import RemediationSection
+from confkv_api.units import parse_duration
 
 from .rules import AlertState
 

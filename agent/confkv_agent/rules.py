@@ -26,8 +26,9 @@ from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
 
-from confkv_api.config import LATENCY_QUANTILE, AlertsSection, parse_duration
+from confkv_api.config import LATENCY_QUANTILE, AlertsSection
 from confkv_api.histograms import quantile
+from confkv_api.units import parse_duration
 
 ALERTS: tuple[str, ...] = ("vram", "latencyMs", "hitRate", "oomPerHour")
 _BELOW = frozenset({"hitRate"})

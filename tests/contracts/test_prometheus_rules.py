@@ -20,8 +20,9 @@ from contract_tools import REPO, require_tool, run
 
 from confkv_api import metrics as m
 from confkv_api.alerts import CPU_LATENCY_MS, alerts_for_device
-from confkv_api.config import LATENCY_QUANTILE, AlertsSection, parse_duration
+from confkv_api.config import LATENCY_QUANTILE, AlertsSection
 from confkv_api.histograms import quantile
+from confkv_api.units import parse_duration
 
 sys.path.insert(0, str(REPO / "operator"))
 

@@ -14,14 +14,8 @@ import psutil
 import pytest
 import torch
 
-from confkv_api.config import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    MAX_SIZE_BYTES,
-    ConfigError,
-    ConfKVSection,
-    load_config,
-    parse_size,
-)
+from confkv_api.config import DEFAULT_MAX_REQUEST_BYTES, ConfigError, ConfKVSection, load_config
+from confkv_api.units import MAX_SIZE_BYTES, parse_size
 from confkv_engine.cache import layout
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache
 from confkv_engine.cache.layout import CPU_AVAILABLE_CAP

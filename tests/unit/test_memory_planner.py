@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv_api.config import parse_size
+from confkv_api.units import parse_size
 from confkv_engine.attention.paged import gather_slot_bytes
 from confkv_engine.cache.kv_cache import CacheSpec
 from confkv_engine.cache.planner import (

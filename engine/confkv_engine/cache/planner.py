@@ -86,7 +86,7 @@ def decode_gather_bound(slot_bytes: int, max_model_len: int, max_batch_size: int
 
 def plan_memory(max_cache_size: tuple[str, float] | None, figures: DeviceFigures, activation_bytes: int,
                 gather_bytes: int, min_pool_bytes: int = 1) -> MemoryPlan:
-    """The pool's bytes for a parsed ``maxCacheSize`` (``confkv_api.config.parse_size``)."""
+    """The pool's bytes for a parsed ``maxCacheSize`` (``confkv_api.units.parse_size``)."""
     plan = MemoryPlan(figures, activation_bytes, gather_bytes, 0, "")
     if max_cache_size is None:
         on_cuda = figures.device.startswith("cuda")

@@ -13,7 +13,8 @@ import threading
 
 import torch
 
-from confkv_api.config import CompressionSection, ConfKVSection, parse_size
+from confkv_api.config import CompressionSection, ConfKVSection
+from confkv_api.units import parse_size
 from confkv_engine.cache.disk.sink import DiskSink
 from confkv_engine.cache.kv_cache import CompressResult, KVCache
 from confkv_engine.cache.planner import MemoryPlan, requested_pool_bytes

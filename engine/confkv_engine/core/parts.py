@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from confkv_api.config import ConfKVConfig, EngineSection, parse_size
+from confkv_api.config import ConfKVConfig, EngineSection
+from confkv_api.units import parse_size
 from confkv_engine.attention.retention import RetentionAttention
 from confkv_engine.cache.disk.sink import DiskSink
 from confkv_engine.cache.groups import LayerGroups
