@@ -15,6 +15,7 @@ from confkv_engine.retention.manager import H2O_DECAY
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.scorer import ScorerConfig
 from confkv_engine.retention.tiers import TierConfig
+from testkit.rotation import ROTATIONS, rotate_engine
 
 # The serving defaults, so that the table describes what a served request does: retained sequences
 # prefill (and the policy acts) one decision interval at a time, the minimal window is that interval.
@@ -37,16 +38,18 @@ def windows(tokens: list[int], quick: bool, tune: bool) -> list[list[int]]:
     return [tokens[base + i * size: base + (i + 1) * size] for i in range(count)]
 
 
-def served_windows(tokens: list[int], text: str, tune: bool) -> list[list[int]]:
-    """The held-out check's protocol (``bench.quality.http_quality``) on this corpus: two 1,024-token
-    windows of ``text`` ("prose", or "repeat": passages of each window's first 384 tokens re-inserted
-    after every 64 fresh ones, ``testkit.held_out``), from the tuning tokens with ``tune``."""
+def served_windows(tokens: list[int], text: str, tune: bool, count: int = 2) -> list[list[int]]:
+    """The held-out check's protocol (``bench.quality.http_quality``) on this corpus: ``count``
+    1,024-token windows of ``text`` ("prose", or "repeat": passages of each window's first 384 tokens
+    re-inserted after every 64 fresh ones, ``testkit.held_out``), from the tuning tokens with ``tune``.
+    Up to two windows the kinds draw on disjoint tokens; more prose windows reach into the stretch
+    the repeating ones are built from (the tuning tokens end at 12,288: at most 4 repeating windows)."""
     from testkit import held_out
 
     base = 6144 if tune else 0
     if text == "prose":
-        return held_out.prose_windows(tokens, 2, 1024, base)
-    return held_out.repeating_windows(tokens, 2, 1024, base + 2048, 384, 64)
+        return held_out.prose_windows(tokens, count, 1024, base)
+    return held_out.repeating_windows(tokens, count, 1024, base + 2048, 384, 64)
 
 
 def make_config(policy: str, f: float | None, args: argparse.Namespace,
@@ -107,10 +110,11 @@ class EngineRunner:
     """Feeds each window as a prompt (``max_tokens=0``, prompt logprobs) through ``LLMEngine``:
     scheduler, paged cache, retention after every 32-token prefill chunk, as in serving."""
 
-    def __init__(self, loaded, kv_cache_dtype: str, interval: int = CHUNK) -> None:
+    def __init__(self, loaded, kv_cache_dtype: str, interval: int = CHUNK, rotation: str = "none") -> None:
         self.loaded = loaded
         self.kv_cache_dtype = kv_cache_dtype
         self.interval = interval
+        self.rotation = rotation
         self.count = 0
 
     def run(self, cfg: RetentionConfig, tokens: list[int], compress_bits: int | None = None) -> dict:
@@ -125,6 +129,7 @@ class EngineRunner:
                                          "kvCacheDtype": self.kv_cache_dtype,
                                          "decisionInterval": self.interval}})
         engine = LLMEngine(self.loaded, config, retention=cfg)
+        rotate_engine(engine, self.rotation, self.loaded.model.args.head_dim)
         self.count += 1
         rid = f"kvq-{self.count}"
         engine.add_request(rid, tokens, SamplingParams(max_tokens=0, prompt_logprobs=0, temperature=0.0))
@@ -235,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-text", choices=("prose", "repeat"), default=None,
                     help="the held-out check's protocol on this corpus: two 1,024-token windows of prose or "
                          "of repeating passages, every token scored (default: second halves of the windows)")
+    ap.add_argument("--served-windows", type=int, default=2,
+                    help="with --served-text: 1,024-token windows per run (default 2, the held-out check's)")
+    ap.add_argument("--rotate", choices=ROTATIONS, default="none",
+                    help="engine rows: turn every head's q/k/v by a randomised Hadamard matrix before the "
+                         "cache (testkit.rotation; a measurement aid, not served)")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/quality/kv_quality[_quick|_tune].json)")
     ap.add_argument("--scenario", choices=("ppl", "long", "concurrency", "overhead"), default="ppl",

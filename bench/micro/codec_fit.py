@@ -8,9 +8,12 @@ token along head_dim with fp16 ones), once per ``fit``. Per bits: relative MSE o
 error of the attention logits q.k (the window's last 64 queries against all its keys), and the
 encode time of one block pair (K and V, all layers, as ``tiered.freeze_blocks`` encodes it; median
 over the window's blocks), the fits side by side in the same run: min/max (shrink 1), the range fit
-(``KEY_SHRINK`` / ``VALUE_SHRINK``; int2 only, ``FIT_MAX_BITS``) and values only.
+(``KEY_SHRINK`` / ``VALUE_SHRINK``; int2 only, ``FIT_MAX_BITS``) and values only. ``--rotate
+hadamard`` encodes every head's k and v turned by a randomised Hadamard matrix (``testkit.rotation``)
+and measures the decoded ones turned back, against the unrotated originals.
 
     python -m bench.micro.codec_fit --threads 1
+    python -m bench.micro.codec_fit --threads 1 --bits 4 2 --rotate hadamard
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from bench.common import write_report
 from confkv_engine.cache.arena import block_codecs
 from confkv_engine.cache.codec.blocks import decode_rows, encode_rows
 from confkv_engine.cache.codec.spec import KEY_SHRINK, VALUE_SHRINK
+from testkit.rotation import ROTATIONS, hadamard
 
 RESULT = Path(__file__).parents[1] / "results" / "micro" / "codec_fit.json"
 START, SIZE, BS = 7168, 1024, 16
@@ -99,30 +103,47 @@ def errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kd: torch.Tensor, 
     return {"k_rel_mse": k_mse, "v_rel_mse": v_mse, "logit_rel_rms": logits}
 
 
+def layer_errors(v: torch.Tensor, vd: torch.Tensor) -> list[float]:
+    """Per layer: the values' relative MSE (as ``errors``), rounded to 4 digits."""
+    vf = v.float()
+    err = (vd - vf).square().flatten(1).mean(1)
+    var = (vf - vf.mean(-1, keepdim=True)).square().flatten(1).mean(1)
+    return [round(x, 4) for x in (err / var).tolist()]
+
+
+def rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [..., D] @ rotation, in x's dtype (the cache stores the rotated bf16 values)."""
+    return (x.float() @ rotation).to(x.dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2])
-    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--rotate", choices=ROTATIONS, default="none")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     q, k, v = capture()
-    kb, vb = blocks(k), blocks(v)
+    r_mat = hadamard(k.shape[-1]) if args.rotate == "hadamard" else torch.eye(k.shape[-1])
+    kb, vb = blocks(rotated(k, r_mat)), blocks(rotated(v, r_mat))
     rows = []
     for bits in args.bits:
         for fit, shrink in FITS.items():
             r = run_fit(kb, vb, bits, shrink)
             layers = k.shape[0]
-            kd = r["k"].movedim(0, 1).reshape(layers, SIZE, *k.shape[2:])
-            vd = r["v"].movedim(0, 1).reshape(layers, SIZE, *v.shape[2:])
+            kd = r["k"].movedim(0, 1).reshape(layers, SIZE, *k.shape[2:]) @ r_mat.T
+            vd = r["v"].movedim(0, 1).reshape(layers, SIZE, *v.shape[2:]) @ r_mat.T
             row = {"bits": bits, "fit": fit, "shrink_kv": shrink, "encode_ms_per_block_pair": r["encode_ms"],
-                   **errors(q, k, v, kd, vd)}
+                   **errors(q, k, v, kd, vd), "v_rel_mse_per_layer": layer_errors(v, vd)}
             rows.append(row)
             print(f"int{bits} {fit:7s} K relMSE {row['k_rel_mse']:.5f}  V relMSE {row['v_rel_mse']:.5f}  "
                   f"logits relRMS {row['logit_rel_rms']:.4f}  "
                   f"encode {row['encode_ms_per_block_pair']:.2f} ms",
                   flush=True)
-    write_report({"threads": args.threads, "tokens": SIZE, "start": START, "rows": rows}, args.out)
+    out = args.out or (RESULT if args.rotate == "none" else RESULT.with_name(f"codec_fit-{args.rotate}.json"))
+    write_report({"threads": args.threads, "tokens": SIZE, "start": START, "rotate": args.rotate,
+                  "rows": rows}, out)
     return 0
 
 

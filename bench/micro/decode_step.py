@@ -14,7 +14,9 @@ into the gathered table (``from_codes=False``), its peer, e.g.
     python -m bench.micro.decode_step --threads 2 --shapes 8x2048,32x2048 --steps 8
     python -m bench.micro.decode_step --shapes 8x2048 --paths gather   # the served (gathering) path only
 
-``--out NAME`` writes ``bench/results/micro/NAME`` instead of ``decode_step.json``.
+``--retention-args`` passes ``bench.quality.kv_quality`` flags to every variant (e.g. another chain:
+``--retention-args "--tiers int4,int2 --tier-window 8"``). ``--out NAME`` writes
+``bench/results/micro/NAME`` instead of ``decode_step.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -37,11 +40,12 @@ WARMUP = 2
 OUT = Path(__file__).resolve().parents[1] / "results" / "micro" / "decode_step.json"
 
 
-def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place: bool) -> float:
+def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place: bool,
+            retention_args: str = "") -> float:
     from confkv_engine.attention.retention import RetentionAttention
     from confkv_engine.core.engine import LLMEngine
 
-    args = parse_args([])
+    args = parse_args(shlex.split(retention_args))
     tokens = pydoc_tokens(loaded.tokenizer)
     probe = make_engine(loaded, variant_config("full", args))
     blocks = batch * probe.cache.blocks_for_tokens(seq_len + steps + WARMUP + 2) + 8
@@ -73,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--paths", default="gather,in_place", help="attention paths timed (gather, in_place)")
+    p.add_argument("--retention-args", default="",
+                   help="kv_quality flags for every variant, e.g. '--tiers int4,int2 --tier-window 8'")
     p.add_argument("--out", default=OUT.name, help="result file name under bench/results/micro/")
     a = p.parse_args(argv)
     from confkv_engine.model.loader import load_model
@@ -86,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant in a.variants.split(","):
             row = {"shape": shape, "variant": variant}
             for path in a.paths.split(","):
-                row[f"{path}_ms"] = step_ms(loaded, variant, batch, seq_len, a.steps, path == "in_place")
+                row[f"{path}_ms"] = step_ms(loaded, variant, batch, seq_len, a.steps, path == "in_place",
+                                            a.retention_args)
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:
@@ -100,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f" {r[p + '_ms']:>12} {r[p + '_vs_full']:>7}" for p in paths))
     out = OUT.parent / Path(a.out).name  # a name, never a path: results stay under bench/results/micro
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"threads": a.threads, "steps": a.steps, "paths": a.paths, "rows": rows}
+    report = {"threads": a.threads, "steps": a.steps, "paths": a.paths, "retention_args": a.retention_args,
+              "rows": rows}
     out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -73,10 +73,14 @@ def second_half_nll(logprobs: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def config_key(name: str, f: float | None, cfg: RetentionConfig, quick: bool, tune: bool, runner: str,
-               kv_cache_dtype: str, interval: int = CHUNK) -> str:
+               kv_cache_dtype: str, interval: int = CHUNK, rotation: str = "none", count: int = 2) -> str:
     fields = [name, f, asdict(cfg), quick, tune, runner, kv_cache_dtype]
     if interval != CHUNK:  # the served interval keeps the keys rows were stored under before the flag
         fields.append(interval)
+    if rotation != "none":  # likewise: unrotated rows keep their keys
+        fields.append(rotation)
+    if count != 2:  # served windows per run
+        fields.append(f"windows={count}")
     blob = json.dumps(fields, sort_keys=True, default=str)
     return f"{name}@{f}#{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
@@ -170,24 +174,32 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
     loaded.model.eval()
     tokens = pydoc_tokens(loaded.tokenizer)
-    wins = served_windows(tokens, args.served_text, args.tune) if args.served_text else windows(
-        tokens, args.quick, args.tune)
-    runner_type = EngineRunner if args.runner == "engine" else OfflineRunner
-    runner = runner_type(loaded, args.kv_cache_dtype, args.interval)
+    if args.served_text:
+        wins = served_windows(tokens, args.served_text, args.tune, args.served_windows)
+    else:
+        wins = windows(tokens, args.quick, args.tune)
+    if args.runner == "engine":
+        runner = EngineRunner(loaded, args.kv_cache_dtype, args.interval, args.rotate)
+    elif args.rotate != "none":
+        raise SystemExit("--rotate needs the engine runner")
+    else:
+        runner = OfflineRunner(loaded, args.kv_cache_dtype, args.interval)
     data = load_results(out)
     wanted = set(args.policies.split(",")) if args.policies else None
     rows = []
     for name, f, cfg in plan(args):
         if wanted and name not in wanted and name != "full" and not name.startswith("kivi-"):
             continue
-        key = config_key(name, f, cfg, args.quick, args.tune, args.runner, args.kv_cache_dtype, args.interval)
+        key = config_key(name, f, cfg, args.quick, args.tune, args.runner, args.kv_cache_dtype, args.interval,
+                         args.rotate, args.served_windows if args.served_text else 2)
         if key not in data["results"]:
             res = measure(runner, name, cfg, wins, every=bool(args.served_text))
             res.update({"f": f, "config": json.loads(json.dumps(asdict(cfg), default=str))})
             data["results"][key] = res
             data["meta"] = {"windows": [len(w) for w in wins], "chunk": args.interval, "runner": args.runner,
                             "kv_cache_dtype": args.kv_cache_dtype, "budget_basis": args.budget_basis,
-                            "quick": args.quick, "tune": args.tune, "torch": torch.__version__}
+                            "quick": args.quick, "tune": args.tune, "rotate": args.rotate,
+                            "torch": torch.__version__}
             out.write_text(json.dumps(data, indent=1))  # checkpoint after every configuration
             print(f"  {name} f={f}: ppl {res['ppl']:.3f} ({res['seconds']} s)", flush=True)
         rows.append(data["results"][key])
