@@ -206,7 +206,7 @@ class ConfKVSection(_Model):
     confidence_thresholds: ConfidenceThresholds = ConfidenceThresholds()
     sinks: int = Field(default=4, ge=0, le=1024)
     # The minimal always-FULL recent window; None: one decision interval (the smallest the engine
-    # can run), or 8 tokens for a precision chain (``tiers`` with int8/int4/k4v2/int2, whose window
+    # can run), or 2 tokens for a precision chain (``tiers`` with int8/int4/k4v2/int2, whose window
     # may be shorter). Under a budget the window grows to a share of it (see docs/retention.md).
     window: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     # Sequences under a retention policy prefill in chunks of at most this many tokens (rounded up to
@@ -217,12 +217,12 @@ class ConfKVSection(_Model):
     budget: float | None = Field(default=None, gt=0.0, le=1.0)
     budget_tokens: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     budget_mode: Literal["always", "pressure"] = "always"
-    # conf-kv's kept tiers, highest first (DISCARD implied). The default ["full", "int4", "int2"] lets
-    # confidence choose each token's precision (docs/retention.md, Precision tiers): decode attends the
+    # conf-kv's kept tiers, highest first (DISCARD implied). The default ["full", "int4", "k4v2", "int2"]
+    # lets confidence choose each token's precision (docs/retention.md, Precision tiers): decode attends the
     # frozen blocks from their codes at about the full policy's step cost, and it keeps far more quality
     # than dropping V at the same bytes. ["full", "key_only"] (FULL / KEY_ONLY / DISCARD) stays available.
     # An int8 / fp8 pool's default is ["full", "key_only"] (``_default_tiers_for_the_pool``).
-    tiers: list[TierName] = Field(default_factory=lambda: ["full", "int4", "int2"], min_length=1,
+    tiers: list[TierName] = Field(default_factory=lambda: ["full", "int4", "k4v2", "int2"], min_length=1,
                                   max_length=5)
     eviction: EvictionSection = EvictionSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()

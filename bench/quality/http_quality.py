@@ -10,7 +10,7 @@ server with the same defaults and no budget (the full cache). Variants:
 - ``h2o``: ``--kv-policy h2o``;
 - ``conf-kv``: ``--kv-policy conf-kv`` (the default tiers: the precision chain FULL / int4 / int2 /
   DISCARD);
-- ``conf-kv+tiers``: ``--kv-policy conf-kv --kv-tiers full,int4,int2`` (``--tiers`` sets the chain);
+- ``conf-kv+tiers``: ``--kv-policy conf-kv --kv-tiers full,int4,k4v2,int2`` (``--tiers`` sets the chain);
 - ``conf-kv+key_only``: ``--kv-policy conf-kv --kv-tiers full,key_only`` (FULL / KEY_ONLY / DISCARD).
 
 Rows of ``conf-kv`` stored before the default tiers changed carry the same flags: re-measure them with
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated: h2o, conf-kv, conf-kv+tiers, conf-kv+key_only")
     ap.add_argument("--budgets", default="0.25,0.125",
                     help="comma-separated --kv-budget fractions; none: no budget")
-    ap.add_argument("--tiers", default="full,int4,int2", help="--kv-tiers of the conf-kv+tiers rows")
+    ap.add_argument("--tiers", default="full,int4,k4v2,int2", help="--kv-tiers of the conf-kv+tiers rows")
     ap.add_argument("--windows", type=int, default=2, help="1,024-token windows per text kind")
     ap.add_argument("--kv-cache-dtype", default="bfloat16", help="--kv-cache-dtype of every server")
     ap.add_argument("--extra", default="", help="more serve flags for the budgeted rows (one string)")

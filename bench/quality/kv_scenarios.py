@@ -14,9 +14,9 @@
   steps span whole decision intervals, so it includes scoring and compaction) and on the median
   (a plain decode step).
 
-``conf-kv+tiers`` is conf-kv with the precision chain ``--tiers`` (default int4,int2: the served
-``confkv.tiers: [full, int4, int2]``) and the served tier defaults. ``--variants`` runs a subset (the
-full cache always runs: the ratios are to it). Results are merged into
+``conf-kv+tiers`` is conf-kv with the precision chain ``--tiers`` (default: the served
+``confkv.tiers`` without ``full``, int4,k4v2,int2) and the served tier defaults. ``--variants`` runs a
+subset (the full cache always runs: the ratios are to it). Results are merged into
 ``bench/results/quality/kv_quality.json`` under ``scenarios`` (the perplexity table is kept; a subset run
 updates its variants only). All on CPU fp32, prefill chunks of 32, block 16, served ``kv_budget``.
 """
@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from bench.common import load_results, results_dir
-from testkit.kv_runs import CHUNK, make_config, pydoc_tokens
+from testkit.kv_runs import CHUNK, SERVED, make_config, pydoc_tokens
 
 F = 0.25
-DEFAULT_TIERS = "int4,int2"  # conf-kv+tiers: confkv.tiers [full, int4, int2]
+DEFAULT_TIERS = ",".join(t for t in SERVED.tiers if t != "full")  # conf-kv+tiers: the served chain
 GEN_TAIL = 64  # generated tokens per concurrency request
 SIZES = {  # scenario -> (full size, quick size)
     "long": ({"gen": 4000}, {"gen": 1000}),

@@ -131,7 +131,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--kv-budget", type=float, metavar="F", help="per-sequence KV budget, fraction of the full cache")
     add("--kv-budget-tokens", type=int, metavar="N", help="per-sequence KV budget in tokens")
     add("--kv-tiers", type=_tier_list, metavar="T,T",
-        help="conf-kv's kept tiers, highest first: full,int4,int2 (default; precision tiers; k4v2: "
+        help="conf-kv's kept tiers, highest first: full,int4,k4v2,int2 (default; precision tiers; k4v2: "
              "int4 keys, int2 values) or full,key_only (the default with an int8 or fp8 --kv-cache-dtype)")
     add("--no-prefix-cache", action="store_true", help="do not share KV blocks of common prefixes")
     add("--cache-dir", metavar="DIR",

@@ -192,4 +192,4 @@ def test_default_tiers_on_a_coded_cache_ask_for_the_key_only_chain() -> None:
     spec = {"confkv": {"kvPolicy": "conf-kv", "kvCacheDtype": "fp8"}}
     assert any("set tiers [full, key_only]" in p for p in _problems(_cr(spec)))
     assert load_deployment_spec(spec).confkv.tiers == ["full", "key_only"]
-    assert load_deployment_spec({}).confkv.tiers == ["full", "int4", "int2"]
+    assert load_deployment_spec({}).confkv.tiers == ["full", "int4", "k4v2", "int2"]

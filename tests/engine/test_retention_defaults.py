@@ -83,8 +83,8 @@ def kept_tokens(usage) -> int:
 def test_default_tiers_are_the_precision_chain(loaded) -> None:
     eng = default_engine(loaded, budget=0.5)
     tiers = eng.retention.defaults.tiers
-    assert tiers.precisions == ("int4", "int2") and not tiers.uses_key_only
-    assert tiers.min_window == 8  # the precision chain's own minimal window
+    assert tiers.precisions == ("int4", "k4v2", "int2") and not tiers.uses_key_only
+    assert tiers.min_window == 2  # the precision chain's own minimal window
     # Its quantized floor: the FULL chains' floor bytes (4 + 48 + a 16-token interval = 4 + 32 + 32).
     assert tiers.floor_tokens == 4 + 48 and eng.retention.interval_for(eng.retention.defaults) == 16
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -42,7 +42,7 @@ def test_kv_cache_dtype_flag_sets_the_confkv_field() -> None:
 
 
 def test_kv_tiers_default_to_the_precision_chain_and_follow_a_coded_cache() -> None:
-    assert _config(["--kv-policy", "conf-kv"]).confkv.tiers == ["full", "int4", "int2"]
+    assert _config(["--kv-policy", "conf-kv"]).confkv.tiers == ["full", "int4", "k4v2", "int2"]
     assert _config(["--kv-tiers", "full,key_only"]).confkv.tiers == ["full", "key_only"]
     # An fp8 pool holds codes already: the default chain there is FULL / KEY_ONLY, ...
     assert _config(["--kv-policy", "conf-kv", "--kv-cache-dtype", "fp8"]).confkv.tiers == ["full", "key_only"]

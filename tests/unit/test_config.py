@@ -29,11 +29,12 @@ def test_empty_document_gets_guide_defaults() -> None:
 
 
 def test_default_tiers_are_the_precision_chain_unless_the_pool_holds_codes() -> None:
-    assert load_config({}).confkv.tiers == ["full", "int4", "int2"]
+    assert load_config({}).confkv.tiers == ["full", "int4", "k4v2", "int2"]
     assert load_config({"confkv": {"tiers": ["full", "key_only"]}}).confkv.tiers == ["full", "key_only"]
     for dtype in ("int8", "fp8"):  # codes cannot be re-encoded: the default chain keeps K or drops
         assert load_config({"confkv": {"kvCacheDtype": dtype}}).confkv.tiers == ["full", "key_only"]
-    assert load_config({"confkv": {"kvCacheDtype": "bfloat16"}}).confkv.tiers == ["full", "int4", "int2"]
+    bf16 = load_config({"confkv": {"kvCacheDtype": "bfloat16"}})
+    assert bf16.confkv.tiers == ["full", "int4", "k4v2", "int2"]
 
 
 def test_keys_are_camel_case_and_round_trip() -> None:

@@ -80,7 +80,7 @@ def test_precision_chain_has_its_own_window_fraction() -> None:
     assert tiers.effective_window(512, 16) == 128
     assert TierConfig(window=32, window_fraction=0.5).effective_window(512, 16) == 256
     # Its minimal window is its own (``precision_window``, may be under the decision interval).
-    assert TierConfig(window=32, key_only=False, precisions=("int4",)).effective_window(512, 16) == 8
+    assert TierConfig(window=32, key_only=False, precisions=("int4",)).effective_window(512, 16) == 2
     interval = TierConfig(window=32, key_only=False, precisions=("int4",), precision_window=None)
     assert interval.effective_window(512, 16) == 32 and interval.min_window == 32  # None: ``window``
     assert TierConfig(window=32).min_window == 32  # not a precision chain

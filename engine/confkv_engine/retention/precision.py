@@ -29,7 +29,7 @@ Layout per unit (layer, KV head), all units with the same counts (the pool stays
   the block together (re-encoded at fewer bits, or dropped). Without it a budget that stops
   growing (``kv_budget_tokens``) could only demote the newest tokens once the older ones froze.
 - Sinks, the recent window and a shared prefix stay FULL; demotion is one-way. The window is the
-  chain's own (``TierConfig.precision_window``, 8), shorter than the decision interval the other
+  chain's own (``TierConfig.precision_window``, 2), shorter than the decision interval the other
   chains' window must hold: a token leaving it is quantized before the walk may drop it.
 """
 

@@ -158,8 +158,9 @@ class TierConfig:
     # chains' minimal one). It may be shorter than a decision interval: a token leaving it early is
     # quantized, and dropped only where the walk prices that lowest; the recent FULL tokens are a
     # third of a small budget's bytes (tuned on tokens [6144, 12288): docs/notes/retention-journal.md;
-    # 16 first, then 8 with the quantized floor and the 16-token interval, at both budgets on both texts).
-    precision_window: int | None = 8
+    # 16 first, then 8 with the quantized floor and the 16-token interval, then 2 with k4v2 in the chain,
+    # on four tuning windows per text, at both budgets on both texts).
+    precision_window: int | None = 2
     # Precision chain only: the recent tokens (after the sinks) whose FULL bytes the budget's floor
     # holds where f x full is below it (early in a sequence under a per-length budget); the walk
     # spends them on the FULL window and on older tokens at the precision tiers. None: the minimal
