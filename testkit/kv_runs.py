@@ -43,7 +43,7 @@ def served_windows(tokens: list[int], text: str, tune: bool, count: int = 2) -> 
     1,024-token windows of ``text`` ("prose", or "repeat": passages of each window's first 384 tokens
     re-inserted after every 64 fresh ones, ``testkit.held_out``), from the tuning tokens with ``tune``.
     Up to two windows the kinds draw on disjoint tokens; more prose windows reach into the stretch
-    the repeating ones are built from (the tuning tokens end at 12,288: at most 4 repeating windows)."""
+    the repeating ones are built from (the tuning tokens end at 12,288: at most 5 repeating windows)."""
     from testkit import held_out
 
     base = 6144 if tune else 0

@@ -5,7 +5,7 @@ matrix before they reach the attention backend, the output turned back.
 full cache the model's outputs are unchanged (up to rounding) while every cached key and value is
 stored, quantized and dropped in the rotated basis. A randomised Hadamard matrix (QuaRot's) spreads
 a few large channels over all of them, which is what narrows a per-token quantization group's range.
-This is a measurement aid (``bench.quality.kv_quality --rotate``, ``bench.micro.kv_rotation``),
+This is a measurement aid (``bench.quality.kv_quality --rotate``, ``bench.micro.codec_fit --rotate``),
 not a serving feature: where it was measured and why it was not adopted is in
 ``docs/notes/retention-journal.md`` ("A rotated cache").
 """

@@ -8,8 +8,8 @@ log-probabilities give the perplexity. The reference is a
 server with the same defaults and no budget (the full cache). Variants:
 
 - ``h2o``: ``--kv-policy h2o``;
-- ``conf-kv``: ``--kv-policy conf-kv`` (the default tiers: the precision chain FULL / int4 / int2 /
-  DISCARD);
+- ``conf-kv``: ``--kv-policy conf-kv`` (the default tiers: the precision chain FULL / int4 / k4v2 /
+  int2 / DISCARD);
 - ``conf-kv+tiers``: ``--kv-policy conf-kv --kv-tiers full,int4,k4v2,int2`` (``--tiers`` sets the chain);
 - ``conf-kv+key_only``: ``--kv-policy conf-kv --kv-tiers full,key_only`` (FULL / KEY_ONLY / DISCARD).
 
