@@ -93,34 +93,6 @@ static inline float h2f(uint16_t h) {
     return f;
 }
 
-/* One row of activations -> int8 groups, their scales and the row's offset. */
-static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_t *q, float *s,
-                         float *off, float *flip16, float *flip32, float *xsum) {
-    float buf[GROUP];
-    double total = 0.0;
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        float amax = 0.f, exact = 0.f;
-        for (int j = 0; j < GROUP; j++) {
-            buf[j] = load_x(x, dtype, row * k + g * GROUP + j);
-            amax = fmaxf(amax, fabsf(buf[j]));
-            exact += buf[j];
-        }
-        xsum[g] = exact;
-        float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t half[2] = {0, 0};
-        for (int j = 0; j < GROUP; j++) {
-            q[g * GROUP + j] = (int8_t)nearbyintf(buf[j] * inv);
-            half[j / 16] += q[g * GROUP + j];
-        }
-        s[g] = scale;
-        flip16[2 * g] = 128.f * scale * (float)half[0];
-        flip16[2 * g + 1] = 128.f * scale * (float)half[1];
-        flip32[g] = 128.f * scale * (float)(half[0] + half[1]);
-        total += (double)scale * (half[0] + half[1]);
-    }
-    *off = (float)(128.0 * total);
-}
-
 /* The 64 bytes of weight block b's chunk c (output row 16 b + l at bytes 4 l .. 4 l + 3). */
 static inline const int8_t *chunk(const W8 *w, int64_t b, int64_t c) {
     return w->q + (b * (w->k / 4) + c) * 64;
@@ -271,7 +243,10 @@ static void tile_avx2(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int ro
     }
 }
 /* 4-bit weights: the nibbles are unsigned (0..15), so maddubs(w, a) needs no sign trick (a pair is at
-   most 2 * 15 * 127; the low and high nibbles' pairs are added in int16, at most 7,620). */
+   most 2 * 15 * 127; the low and high nibbles' pairs are added in int16, at most 7,620). A group's
+   four chunks add up in int16 as well (at most 30,480 < 32,767: exact), so each row widens to int32
+   once per group, not once per chunk: two of the six multiply-port instructions per row and chunk
+   go (the widening madd and its add), which bound the path once a block is shared by many rows. */
 static inline __attribute__((always_inline)) void avx2_body4(const W8 *w, int64_t b, const Acts8 *a,
                                                              int64_t r0, const int rows, __m256 out[2][RT]) {
     const int64_t k = w->k, groups = k / GROUP;
@@ -279,7 +254,7 @@ static inline __attribute__((always_inline)) void avx2_body4(const W8 *w, int64_
     _Pragma("GCC unroll 8")
     for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m256i dot[2][RT];
+        __m256i dot[2][RT]; /* int16 pair sums of the group's 32 inputs */
         _Pragma("GCC unroll 8")
         for (int r = 0; r < rows; r++) dot[0][r] = dot[1][r] = _mm256_setzero_si256();
         for (int64_t c = g * 4; c < g * 4 + 4; c++) {
@@ -293,9 +268,14 @@ static inline __attribute__((always_inline)) void avx2_body4(const W8 *w, int64_
                 const __m256i alo = _mm256_set1_epi32(load4(ap)), ahi = _mm256_set1_epi32(load4(ap + 4));
                 const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, alo), _mm256_maddubs_epi16(hi0, ahi));
                 const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, alo), _mm256_maddubs_epi16(hi1, ahi));
-                dot[0][r] = _mm256_add_epi32(dot[0][r], _mm256_madd_epi16(p0, ones));
-                dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(p1, ones));
+                dot[0][r] = _mm256_add_epi16(dot[0][r], p0);
+                dot[1][r] = _mm256_add_epi16(dot[1][r], p1);
             }
+        }
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < rows; r++) {
+            dot[0][r] = _mm256_madd_epi16(dot[0][r], ones);
+            dot[1][r] = _mm256_madd_epi16(dot[1][r], ones);
         }
         const uint16_t *dh = group_of(w->half, w, b, g), *mh = group_of(w->minimum, w, b, g);
         const __m256 eight = _mm256_set1_ps(8.f);
@@ -511,9 +491,7 @@ static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n,
     if (aq == NULL || s == NULL) { free(aq); free(s); return -3; }
     float *flip32 = s + rows * groups, *xsum = flip32 + rows * groups, *flip16 = xsum + rows * groups;
     float *off = flip16 + 2 * rows * groups;
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x, x_dtype, r, k, aq + r * k, s + r * groups, off + r, flip16 + 2 * r * groups,
-                     flip32 + r * groups, xsum + r * groups);
+    confkv_quantize_rows(x, x_dtype, rows, k, aq, s, off, flip16, flip32, xsum, threads);
     const Acts8 a = {aq, s, off, flip16, flip32, xsum, k};
     const int64_t blocks = (n + 15) / 16;
     /* Each thread owns a range of weight blocks (each weight read from memory once); inside a

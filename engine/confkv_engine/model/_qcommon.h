@@ -1,6 +1,6 @@
-/* What the native matmuls (_q8matmul.c) and their callers share: the activation group, the codes of
-   the ISA paths and dtypes their Python callers pass, and reading / writing fp32 or bf16 elements.
-   Not a public header. */
+/* What the native matmuls (_q8matmul.c), their activations' quantization (_qacts.c) and their callers
+   share: the activation group, the codes of the ISA paths and dtypes their Python callers pass,
+   reading / writing fp32 or bf16 elements, and the quantization's entry point. Not a public header. */
 
 #ifndef CONFKV_QCOMMON_H
 #define CONFKV_QCOMMON_H
@@ -28,5 +28,10 @@ static inline void store_y(void *y, int dtype, int64_t i, float v) {
     u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even (finite values) */
     ((uint16_t *)y)[i] = (uint16_t)(u >> 16);
 }
+
+/* Quantizes x [rows, k] (k a multiple of GROUP) into q [rows, k] with, per row, s / flip32 / xsum
+   [k / GROUP], flip16 [2 k / GROUP] and off [1] (_qacts.c says what each holds). */
+void confkv_quantize_rows(const void *x, int dtype, int64_t rows, int64_t k, int8_t *q, float *s,
+                          float *off, float *flip16, float *flip32, float *xsum, int threads);
 
 #endif

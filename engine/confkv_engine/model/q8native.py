@@ -33,6 +33,7 @@ from confkv_engine.model.native import SWITCH as LIBRARY_SWITCH
 from confkv_engine.model.quant import Q4_BLOCK, Int4Weight, Int8GroupWeight, Int8Weight
 
 SWITCH = "CONFKV_NATIVE_INT8"
+ACT_GROUP = 32  # _qcommon.h's GROUP: activations are quantized per row and group of 32
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "the CPU lacks the instruction set asked for", -2: "in_features is not a multiple of 32",
            -3: "out of memory for the quantized activations", -4: "weight groups of 16 or 32 only"}
@@ -54,6 +55,10 @@ def _library() -> ctypes.CDLL | None:
                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                     ctypes.c_int, ctypes.c_int]
     lib.confkv_q8_supported.restype = ctypes.c_int
+    if hasattr(lib, "confkv_quantize_rows"):
+        lib.confkv_quantize_rows.restype = None
+        head = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        lib.confkv_quantize_rows.argtypes = head + [ctypes.c_void_p] * 6 + [ctypes.c_int]
     return lib
 
 
@@ -176,6 +181,27 @@ def matmul(x: Tensor, w: PackedInt8 | PackedInt4Blocks, isa: str, threads: int |
     if rc:
         raise RuntimeError(f"native int8 matmul ({isa}): {_ERRORS.get(rc, rc)}")
     return y
+
+
+def quantized_activations(x: Tensor, threads: int | None = None) -> dict[str, Tensor]:
+    """What every native matmul computes from ``x [rows, K]`` (fp32 or bf16, CPU) before its dots
+    (``_qacts.c``): ``q`` int8 [rows, K], and per row ``s``, ``flip32``, ``xsum`` [rows, K / 32],
+    ``flip16`` [rows, K / 16], ``off`` [rows]. For checking the kernel's activations."""
+    lib = _library()
+    if lib is None or not hasattr(lib, "confkv_quantize_rows"):
+        raise RuntimeError("the native int8 kernel is not built (see setup.py)")
+    if x.dim() != 2 or x.shape[1] % ACT_GROUP or x.dtype not in _DTYPES or x.device.type != "cpu":
+        raise ValueError(f"activations: x {tuple(x.shape)} {x.dtype} on {x.device} "
+                         "is not [rows, 32 m] fp32/bf16")
+    x = x.contiguous()
+    rows, k = x.shape
+    g = k // ACT_GROUP
+    out = {"q": torch.empty(rows, k, dtype=torch.int8), "s": torch.empty(rows, g), "off": torch.empty(rows),
+           "flip16": torch.empty(rows, 2 * g), "flip32": torch.empty(rows, g), "xsum": torch.empty(rows, g)}
+    lib.confkv_quantize_rows(x.data_ptr(), _DTYPES[x.dtype], rows, k,
+                             *(out[n].data_ptr() for n in ("q", "s", "off", "flip16", "flip32", "xsum")),
+                             threads or torch.get_num_threads())
+    return out
 
 
 def _entry(lib: ctypes.CDLL, w: PackedInt8 | PackedInt4Blocks) -> tuple[Any, tuple[int, ...]]:
