@@ -221,7 +221,7 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     if native is None:
         native = native_isa(info) is not None
     if kind == "int4" and native and info.native_bf16 and _vnni_without_amx(info):
-        return "q4n" if rows <= 4 else "dense"
+        return "q4n"
     if not info.native_bf16:
         # int8 weight-only with fp32 activations lost to fp32 GEMM even at one row (the 49,152 x
         # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so without q8n int8 weights run
@@ -236,13 +236,15 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
 
 
 def _vnni_without_amx(info: CpuInfo) -> bool:
-    """Where ``q4n`` (the 16-row block kernel) replaces PyTorch's int4 at up to 4 rows although bf16
-    is native: VNNI CPUs without AMX. Measured on an AMD EPYC (AVX-512 VNNI and BF16, no AMX), 2
-    threads, bf16 activations, best of 7 interleaved rounds (``bench.micro.int8_kernels --kind
-    int4``, docs/performance.md "Int4 in 16-row blocks"), the embedded model's four shapes summed
-    over a layer: 0.142 / 0.151 / 0.325 ms (q4n / PyTorch's int4 / bf16 GEMM) at one row, 0.242 /
-    0.251 / 0.373 at 4, 0.675 / 0.820 / 0.714 at 16; Gemma 3's int4 shapes (640 x 1,024 and 640 x
-    2,048) at 16 rows 0.388 / 0.385 / 0.292: bf16 GEMM from 16 rows, as before."""
+    """Where ``q4n`` (the 16-row block kernel) serves int4 at every row count although bf16 is
+    native: VNNI CPUs without AMX. Measured on an AMD EPYC (AVX-512 VNNI and BF16, no AMX), 2
+    threads, bf16 activations (``bench.micro.int8_kernels --kind int4``, docs/performance.md
+    "Activations quantized eight lanes at a time"): since the activations' quantization runs in
+    SIMD on every thread, q4n beat bf16 GEMM on the embedded model's four shapes at 1-512 rows
+    (576 x 576: 0.051 / 0.096 ms at 16 rows, 0.165 / 0.259 at 64, 0.749 / 0.847 at 512) and on Gemma
+    3's int4 shapes at 128-512 rows (640 x 2,048: 2.72 / 3.27 ms at 512), so no dense copy of the
+    int4 weights is kept here. (Before, q4n served up to 4 rows only: 0.675 / 0.714 ms at 16 rows,
+    the four shapes summed, its activations quantized one element at a time through libm.)"""
     return "avx512_vnni" in info.flags and not any(f.startswith("amx") for f in info.flags)
 
 
