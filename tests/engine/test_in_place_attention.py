@@ -3,14 +3,22 @@ logprobs, on the embedded SmolLM2-135M and real text, under every policy and tie
 H2O, conf-kv with its KEY_ONLY tier (the default chain) and conf-kv with each precision chain, at a budget
 that binds during prefill and decode (evictions, KEY_ONLY stand-ins, frozen and re-quantized blocks).
 
-The bound is 1e-4 on the prompt (echo) logprobs and the first ``DECODE`` generated ones. Past that the
+The bound is 1e-4 on the prompt (echo) logprobs and on the generated ones until a decoded token can be
+frozen (``FROZEN_AFTER``), 1e-3 on the rest of the first ``DECODE``. Past that the
 two paths are not expected to agree to 1e-4 under precision tiers: decode rows are attended by
 different kernels (one flash call over the gathered table, or the codes kernel, against one call per
 pool run), whose fp32 rounding differs (about 5e-7 relative in the keys and values a decode step writes), and
 once those tokens are quantized a value a rounding error from a code boundary takes the other code.
 Measured with int4 -> int2 at this budget (the prompt logprobs equal to the bit, as in every variant
 here): within 3.8e-6 for the first 44 steps, over 1e-4 from step 101 and 2.6e-3 at step 146, as the
-tokens decoded after the prompt freeze (the same tokens are chosen all along)."""
+tokens decoded after the prompt freeze (the same tokens are chosen all along). With the budget walk's
+refund (and the 2-token window) the first decoded tokens freeze at the decision after step 16: one
+step then differs by up to 3.6e-4 (int8; 1.3e-4 int4), the others stay within 3.3e-5 (one thread).
+
+With two threads the paths part further, already in the prompt: a rounding difference between
+their threaded kernels (which one was not isolated) takes another code, and retention then scores
+different numbers (at this budget int4's prompt logprobs up to 0.21 apart, int8's 4.7e-3, measured
+at the commit before the refund too); the suite runs one thread (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from confkv_engine.model.loader import load_model
 from testkit.kv_runs import make_config, parse_args, pydoc_tokens
 
 PROMPT, DECODE, BUDGET = 320, 24, 0.25
+FROZEN_AFTER = 16  # decode steps before a decoded token can be frozen (the chains' 16-token interval)
 # Every precision chain, alone and combined: the codec quantizes what prefill wrote, so a kernel whose
 # prefill keys or values differed by a rounding error would flip codes and show here (the CPU kernel
 # attends a chunk with the gathering path's own calls for that reason: ``attention.kernels.cpu``).
@@ -62,4 +71,6 @@ def test_in_place_echo_logprobs_equal_gather(loaded, policy, budget, precisions)
     got_prompt, got_ids, got_lps, _ = _run(loaded, retention, True, tokens)
     assert got_ids == want_ids
     assert max(abs(a - b) for a, b in zip(got_prompt, want_prompt, strict=True)) <= 1e-4
-    assert max(abs(a - b) for a, b in zip(got_lps, want_lps, strict=True)) <= 1e-4
+    diffs = [abs(a - b) for a, b in zip(got_lps, want_lps, strict=True)]
+    assert max(diffs[:FROZEN_AFTER]) <= 1e-4
+    assert max(diffs) <= 1e-3  # after a decoded token may be frozen: a code flip (module docstring)

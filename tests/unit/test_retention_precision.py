@@ -14,6 +14,7 @@ from confkv_engine.retention.precision import (
     decide_precision,
     held_bytes,
     last_tier_cap,
+    refund,
     step_weights,
     threshold_chain,
     walk,
@@ -117,6 +118,25 @@ def test_walk_demotes_the_cheapest_step_until_it_fits() -> None:
     assert counts(0) == [0, 0, 0]
 
 
+def test_walk_refunds_the_steps_a_later_one_made_unneeded() -> None:
+    # FULL 100 bytes, int4 30, int2 20. The int4 token of confidence 0.004 is the cheapest step
+    # (0.004 x 0.028), then dropping it (0.004 x 0.035 < 0.5 x 0.02 / 70), then the 0.5 token to int4:
+    # 330 -> 320 -> 300 -> 230 <= 270. The last step freed 70 where 30 more were needed, so the drop
+    # and then the int2 step are undone, latest first: [2, 1, 1] 250, [2, 2, 0] 260.
+    profile, weights = [0.9, 0.8, 0.5, 0.004], [0.02 / 70, 0.28 / 10, 0.35 / 10]
+
+    def fits(c: list[int], blocks: list[int]) -> bool:
+        return 100 * c[0] + 30 * c[1] + 20 * c[2] <= 270
+
+    assert walk(profile, [3, 1, 0], weights, fits) == ([2, 2, 0], [])
+    assert refund([1, 2, 0], [2, 1, 0], [], fits) == ([2, 2, 0], [])
+    # A step whose token a later kept step moved on is not undone; a block step is undone as a block.
+    assert refund([1], [0, 1, 0], [], lambda c, b: True) == ([0, 1, 0], [])
+    assert refund([3], [0, 1, 0], [2], lambda c, b: True) == ([0, 1, 0], [1])
+    # With a rule on the walk (``allow``), nothing is refunded.
+    assert walk(profile, [3, 1, 0], weights, fits, allow=lambda j, c, b: True) == ([2, 1, 0], [])
+
+
 def test_last_tier_share_caps_the_walk_into_int2() -> None:
     # int2 cheaper per byte than dropping (int4 -> int2 0.1 / 10, int2 -> DISCARD 0.9 / 20): uncapped,
     # the walk fills int2; capped at half the kept tokens, it drops once int2 holds half.
@@ -194,8 +214,10 @@ def test_budget_walk_on_exact_bytes() -> None:
     conf = [0.0, 0.95, 0.95, 0.8, 0.5, 0.0, 0.0]
     # 480: one FULL goes to int4 (the cheapest step); equal confidences: the later slot goes.
     assert _decide(conf, [F] * 7, target=480) == [F, F, I4, I4, I2, F, F]
-    # 330 = the protected 300 + 30: int2 is cheaper per byte than dropping for all but the last one.
-    assert _decide(conf, [F] * 7, target=330) == [F, I2, D, D, D, F, F]
+    # 330 = the protected 300 + 30: int2 is cheaper per byte than dropping, so the walk puts slot 1
+    # at int2 before it drops the others; once they are dropped, int2 was not needed (int4 fits the
+    # 30 bytes exactly) and the refund gives slot 1 its int4 back.
+    assert _decide(conf, [F] * 7, target=330) == [F, I4, D, D, D, F, F]
 
 
 def test_frozen_blocks_are_demoted_whole_by_mean_confidence() -> None:

@@ -120,9 +120,11 @@ def walk(profile: list[float], counts: list[int], weights: list[float],
     demotes the last token of tier j, at profile[rank] x weights[j]. ``blocks`` are frozen blocks'
     chain indices (``len(weights)``: dropped) with mean confidences ``block_conf``: a block step
     demotes a whole block, at its mean x weights[j]. The cheapest step goes first (ties: tokens, then
-    the higher tier, then the first block). ``allow(j, counts, blocks)``: whether a step out of tier
-    j may go now (None: always)."""
+    the higher tier, then the first block); once it fits, ``refund`` undoes the steps it turned out
+    not to need. ``allow(j, counts, blocks)``: whether a step out of tier j may go now (None:
+    always; with a rule, nothing is refunded, since an undone drop could break it)."""
     counts, frozen = list(counts), list(blocks)
+    steps: list[int] = []
     while not fits(counts, frozen):
         best, best_key, end = -1, math.inf, 0
         ok = [allow is None or allow(j, counts, frozen) for j in range(len(weights))]
@@ -135,12 +137,36 @@ def walk(profile: list[float], counts: list[int], weights: list[float],
                 best, best_key = len(counts) + i, block_conf[i] * weights[j]
         if best < 0:
             break
+        steps.append(best)
         if best >= len(counts):
             frozen[best - len(counts)] += 1
             continue
         counts[best] -= 1
         if best + 1 < len(counts):
             counts[best + 1] += 1
+    return refund(steps, counts, frozen, fits) if allow is None else (counts, frozen)
+
+
+def refund(steps: list[int], counts: list[int], frozen: list[int],
+           fits: Callable[[list[int], list[int]], bool]) -> tuple[list[int], list[int]]:
+    """Undo ``walk``'s steps (``steps``: what it demoted, in order, as ``walk`` numbers them), latest
+    first, wherever the result still fits. The bytes are not additive in the steps: a precision
+    tier's staged remainder costs FULL bytes until it fills a block, the pool holds whole blocks,
+    and a block step frees a block at once, so a late step can free more than the target asked
+    and leave earlier ones unneeded. Undoing only moves back towards the walk's start (one-way
+    still holds), and ranks stay ordered (counts are boundaries in the same profile)."""
+    for step in reversed(steps):
+        c, f = list(counts), list(frozen)
+        if step >= len(c):
+            f[step - len(c)] -= 1
+        else:
+            if step + 1 < len(c):
+                if c[step + 1] == 0:  # its token went further down: not this step's to undo
+                    continue
+                c[step + 1] -= 1
+            c[step] += 1
+        if fits(c, f):
+            counts, frozen = c, f
     return counts, frozen
 
 
