@@ -15,10 +15,14 @@ tokens decoded after the prompt freeze (the same tokens are chosen all along). W
 refund (and the 2-token window) the first decoded tokens freeze at the decision after step 16: one
 step then differs by up to 3.6e-4 (int8; 1.3e-4 int4), the others stay within 3.3e-5 (one thread).
 
-With two threads the paths part further, already in the prompt: a rounding difference between
-their threaded kernels (which one was not isolated) takes another code, and retention then scores
-different numbers (at this budget int4's prompt logprobs up to 0.21 apart, int8's 4.7e-3, measured
-at the commit before the refund too); the suite runs one thread (tests/conftest.py)."""
+With two threads the paths part further, already in the prompt (at this budget int4's prompt
+logprobs up to 0.21 apart, int8's 4.7e-3, at the commit before the refund too), but not by a race:
+three runs of either path at two threads are identical, and each path moves with the thread count
+alone (int8, 1 against 2 threads: the gathering path from prompt token 17, 3.2e-3; the in-place
+path from token 23, 5.2e-3). Without precision tiers the two paths' prompt logprobs stay identical
+at two threads (full, h2o, conf-kv): a last-bit difference of a threaded kernel takes another code
+once a block is quantized, and retention then scores different numbers. The suite runs one thread
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
