@@ -3,8 +3,8 @@ logprobs, on the embedded SmolLM2-135M and real text, under every policy and tie
 H2O, conf-kv with its KEY_ONLY tier (the default chain) and conf-kv with each precision chain, at a budget
 that binds during prefill and decode (evictions, KEY_ONLY stand-ins, frozen and re-quantized blocks).
 
-The bound is 1e-4 on the prompt (echo) logprobs and on the generated ones until a decoded token can be
-frozen (``FROZEN_AFTER``), 1e-3 on the rest of the first ``DECODE``. Past that the
+The bound is 1e-4 on the prompt (echo) logprobs and on the first ``DECODE`` generated ones; under
+precision tiers, 1e-3 on those after a decoded token can be frozen (``FROZEN_AFTER``). Past that the
 two paths are not expected to agree to 1e-4 under precision tiers: decode rows are attended by
 different kernels (one flash call over the gathered table, or the codes kernel, against one call per
 pool run), whose fp32 rounding differs (about 5e-7 relative in the keys and values a decode step writes), and
@@ -77,4 +77,5 @@ def test_in_place_echo_logprobs_equal_gather(loaded, policy, budget, precisions)
     assert max(abs(a - b) for a, b in zip(got_prompt, want_prompt, strict=True)) <= 1e-4
     diffs = [abs(a - b) for a, b in zip(got_lps, want_lps, strict=True)]
     assert max(diffs[:FROZEN_AFTER]) <= 1e-4
-    assert max(diffs) <= 1e-3  # after a decoded token may be frozen: a code flip (module docstring)
+    # Past it, under precision tiers, a decoded token may be frozen: a code flip (module docstring).
+    assert max(diffs) <= (1e-3 if precisions else 1e-4)

@@ -17,9 +17,21 @@
    a last-bit difference. Rows go to OpenMP threads once there are enough of them. */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "_qcommon.h"
+
+/* Group g's scale and flips from the sums of its codes' two halves; returns its share of ``off``
+   (before the factor 128). */
+static inline double group_numbers(int64_t g, float scale, int32_t h0, int32_t h1, float *s, float *flip16,
+                                   float *flip32) {
+    s[g] = scale;
+    flip16[2 * g] = 128.f * scale * (float)h0;
+    flip16[2 * g + 1] = 128.f * scale * (float)h1;
+    flip32[g] = 128.f * scale * (float)(h0 + h1);
+    return (double)scale * (h0 + h1);
+}
 
 /* One row, portable C. */
 static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_t *q, float *s,
@@ -40,11 +52,7 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_
             q[g * GROUP + j] = (int8_t)nearbyintf(buf[j] * inv);
             half[j / 16] += q[g * GROUP + j];
         }
-        s[g] = scale;
-        flip16[2 * g] = 128.f * scale * (float)half[0];
-        flip16[2 * g + 1] = 128.f * scale * (float)half[1];
-        flip32[g] = 128.f * scale * (float)(half[0] + half[1]);
-        total += (double)scale * (half[0] + half[1]);
+        total += group_numbers(g, scale, half[0], half[1], s, flip16, flip32);
     }
     *off = (float)(128.0 * total);
 }
@@ -104,23 +112,26 @@ static void quantize_row_avx2(const void *x, int dtype, int64_t row, int64_t k, 
         const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
         _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(packed, order));
         const int32_t h0 = hsum8i(_mm256_add_epi32(c[0], c[1])), h1 = hsum8i(_mm256_add_epi32(c[2], c[3]));
-        s[g] = scale;
-        flip16[2 * g] = 128.f * scale * (float)h0;
-        flip16[2 * g + 1] = 128.f * scale * (float)h1;
-        flip32[g] = 128.f * scale * (float)(h0 + h1);
-        total += (double)scale * (h0 + h1);
+        total += group_numbers(g, scale, h0, h1, s, flip16, flip32);
     }
     *off = (float)(128.0 * total);
 }
 #pragma GCC pop_options
 
-static RowFn row_fn(void) {
+static RowFn pick_row_fn(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") ? quantize_row_avx2 : quantize_row;
 }
 #else
-static RowFn row_fn(void) { return quantize_row; }
+static RowFn pick_row_fn(void) { return quantize_row; }
 #endif
+
+/* The row function, chosen once (every thread that races here stores the same pointer). */
+static RowFn row_fn(void) {
+    static RowFn fn;
+    if (fn == NULL) fn = pick_row_fn();
+    return fn;
+}
 
 /* Rows below this many elements stay on the calling thread (a parallel region costs a few us). */
 #define PARALLEL_MIN 8192

@@ -220,14 +220,15 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
         return "dense"
     if native is None:
         native = native_isa(info) is not None
-    if kind == "int4" and native and info.native_bf16 and _vnni_without_amx(info):
+    if kind == "int4" and native and (not info.native_bf16 or _vnni_without_amx(info)):
+        # q4n at every row count without native bf16 (the block kernel's measurements in the
+        # docstring) and on VNNI CPUs without AMX: no dense copy of the int4 weights is kept.
         return "q4n"
     if not info.native_bf16:
         # int8 weight-only with fp32 activations lost to fp32 GEMM even at one row (the 49,152 x
         # 576 LM head: 10.5 vs 5.0 ms under the AVX2 emulation), so without q8n int8 weights run
-        # dense here. int4 takes q4n at every row count (the block kernel's measurements in the
-        # docstring), so no dense copy of the int4 weights is kept.
-        return "q4n" if kind == "int4" and native else "dense"
+        # dense here (and int4 where q4n does not run).
+        return "dense"
     # int8 (PyTorch's weight-only kernel, bf16 activations) also stops at 4 rows: its time grows
     # with the rows where bf16 GEMM's stays flat. Gemma 3's 262,144 x 640 LM head, 2 threads:
     # 20.1 vs 23.1 ms at 4 rows, 37.0 vs 23.2 at 8, 75.1 vs 23.9 at 16; its layers' 4,096 x 640
