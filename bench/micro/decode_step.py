@@ -13,6 +13,13 @@ into the gathered table (``from_codes=False``), its peer, e.g.
 
     python -m bench.micro.decode_step --threads 2 --shapes 8x2048,32x2048 --steps 8
     python -m bench.micro.decode_step --shapes 8x2048 --paths gather   # the served (gathering) path only
+    python -m bench.micro.decode_step --shapes 8x2048 --paths gather --steps 40 --interleave \
+        --variants full,conf-kv+tiers:codes   # steps in turn: paired ratios on a shared machine
+
+``--interleave`` prefills every variant's engine first, then takes one decode step of each in turn:
+on a shared machine a slow stretch then falls on every variant alike, and ``paired_vs_full`` (the
+median over rounds of a variant's step over ``full``'s in the same round) is steadier than a ratio of
+medians taken minutes apart. ``mean_ms`` includes the decision steps a median leaves out.
 
 ``--retention-args`` passes ``bench.quality.kv_quality`` flags to every variant (e.g. another chain:
 ``--retention-args "--tiers int4,int2 --tier-window 8"``). ``--out NAME`` writes
@@ -40,8 +47,10 @@ WARMUP = 2
 OUT = Path(__file__).resolve().parents[1] / "results" / "micro" / "decode_step.json"
 
 
-def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place: bool,
-            retention_args: str = "") -> float:
+def prefilled(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place: bool,
+              retention_args: str = ""):
+    """An engine of ``variant`` with ``batch`` prompts of ``seq_len`` tokens prefilled and ``WARMUP``
+    decode steps taken, room for ``steps`` more."""
     from confkv_engine.attention.retention import RetentionAttention
     from confkv_engine.core.engine import LLMEngine
 
@@ -62,12 +71,36 @@ def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place
         eng.step()
     for _ in range(WARMUP):
         eng.step()
-    times = []
+    return eng
+
+
+def timed_step(eng) -> float:
+    t0 = time.perf_counter()
+    eng.step()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place: bool,
+            retention_args: str = "") -> float:
+    eng = prefilled(loaded, variant, batch, seq_len, steps, in_place, retention_args)
+    return round(statistics.median(timed_step(eng) for _ in range(steps)), 1)
+
+
+def interleaved(loaded, variants: list[str], batch: int, seq_len: int, steps: int, in_place: bool,
+                retention_args: str = "") -> list[dict]:
+    """Every variant's engine prefilled, then their decode steps taken in turn (one step of each per
+    round), so a slow stretch of a shared machine falls on all of them: per variant the median step,
+    the mean with decision steps included, and the median over rounds of its step over ``full``'s."""
+    engines = [prefilled(loaded, v, batch, seq_len, steps, in_place, retention_args) for v in variants]
+    times: list[list[float]] = [[] for _ in variants]
     for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1e3, 1)
+        for eng, t in zip(engines, times, strict=True):
+            t.append(timed_step(eng))
+    full = times[variants.index("full")]
+    return [{"variant": v, "median_ms": round(statistics.median(t), 1),
+             "mean_ms": round(statistics.mean(t), 1),
+             "paired_vs_full": round(statistics.median(a / b for a, b in zip(t, full, strict=True)), 3)}
+            for v, t in zip(variants, times, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,12 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention-args", default="",
                    help="kv_quality flags for every variant, e.g. '--tiers int4,int2 --tier-window 8'")
     p.add_argument("--out", default=OUT.name, help="result file name under bench/results/micro/")
+    p.add_argument("--interleave", action="store_true",
+                   help="one path (the first of --paths), the variants' steps taken in turn; needs full")
     a = p.parse_args(argv)
     from confkv_engine.model.loader import load_model
 
     torch.set_num_threads(a.threads)
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
     loaded.model.eval()
+    if a.interleave:
+        return interleave_main(a, loaded)
     rows = []
     for shape in a.shapes.split(","):
         batch, seq_len = (int(x) for x in shape.split("x"))
@@ -110,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     report = {"threads": a.threads, "steps": a.steps, "paths": a.paths, "retention_args": a.retention_args,
               "rows": rows}
     out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def interleave_main(a: argparse.Namespace, loaded) -> int:
+    path = a.paths.split(",")[0]
+    rows = []
+    for shape in a.shapes.split(","):
+        batch, seq_len = (int(x) for x in shape.split("x"))
+        for row in interleaved(loaded, a.variants.split(","), batch, seq_len, a.steps, path == "in_place",
+                               a.retention_args):
+            rows.append({"shape": shape, "path": path, **row})
+            print(json.dumps(rows[-1]), flush=True)
+    out = OUT.parent / Path(a.out).name
+    out.write_text(json.dumps({"threads": a.threads, "steps": a.steps, "interleaved": True,
+                               "retention_args": a.retention_args, "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -91,3 +91,21 @@ def test_pools_and_steps_the_kernel_does_not_cover_keep_the_gathering_path() -> 
     assert backend.native is None and backend.decode
     backend.begin_step([seq], [1], torch.zeros(1, dtype=torch.long), [None])
     assert backend.native is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_log_sum_exp_is_the_scaled_scores(dtype: torch.dtype) -> None:
+    """``decode_attention_lse``: the same output as ``decode_attention`` and, per query head, the
+    log-sum-exp of its scaled scores over its visible slots (what ``attention.codes`` merges into)."""
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(12, BS, HKV, D, generator=gen).to(dtype)
+    tables = native_decode.DecodeTables.build([[3, 7, 1], [5], [0, 9, 2]], [[4, 8, 2], [6], [11, 10, 3]],
+                                              [10, 2, 12], 0)
+    q = torch.randn(3, HQ, D, generator=gen).to(dtype)
+    out, lse = native_decode.decode_attention_lse(q, pool, tables)
+    assert torch.equal(out, native_decode.decode_attention(q, pool, tables))
+    for r in range(3):
+        n = int(tables.lens[r])
+        keys = pool[tables.k_table[r]].reshape(-1, HKV, D)[:n].float()  # [n, Hkv, D]
+        scores = torch.einsum("hd,nhd->hn", q[r].float(), keys.repeat_interleave(HQ // HKV, 1)) / D ** 0.5
+        assert (lse[r] - torch.logsumexp(scores, -1)).abs().max() < 1e-5

@@ -2,7 +2,9 @@
 (``codec.blocks.decode_rows``) and attending the decoded keys and values, merged exactly with a part
 attended elsewhere (the pool's rows): random real encodings, int8 / int4 / int2 and int4 keys with int2
 values, fp16 and dq6 key parameters, ragged rows (one with no compressed block), a partly valid
-block, GQA 1 and 3, head dims 64 and 128."""
+block, GQA 1 and 3, head dims 64 and 128, value groups of 32 (the generic fold) and of head_dim (the
+codecs' usual shape, compiled per shape), the latter in both its forms (arrays; AVX2 vectors where the
+CPU has them)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,21 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the native codec
 BS, HEADS = 16, 2
 
 
-def _pair(bits: tuple[int, int], dim: int, element_bytes: int):
+def _pair(bits: tuple[int, int], dim: int, element_bytes: int, value_group: int = 32):
     k_spec, _ = block_codecs(BS, HEADS, dim, bits[0], dim, element_bytes=element_bytes)
-    _, v_spec = block_codecs(BS, HEADS, dim, bits[1], 32, element_bytes=element_bytes)
+    _, v_spec = block_codecs(BS, HEADS, dim, bits[1], value_group, element_bytes=element_bytes)
     return k_spec, v_spec
+
+
+@pytest.fixture(params=["generic", "arrays", "vectors"])
+def fold(request):
+    """Which fold the library runs: the generic one (value groups of 32), or for the usual shape (value
+    groups of head_dim) its array form or its vector form (skipped where the CPU has no x86-64-v3)."""
+    if request.param == "vectors" and not native.vector_folds(True):
+        pytest.skip("no AVX2 / FMA / F16C here: the vector folds do not run")
+    native.vector_folds(request.param == "vectors")
+    yield request.param
+    native.vector_folds(True)  # back to the library's own choice (vectors where the CPU has them)
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,9 +52,9 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> tuple
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("element_bytes", [4, 2])  # fp16 key parameters (fp32 pool), dq6 (bf16 pool)
-def test_codes_attention_equals_decode_then_attend(bits, group, dim, element_bytes):
+def test_codes_attention_equals_decode_then_attend(bits, group, dim, element_bytes, fold):
     torch.manual_seed(sum(bits) * 100 + group * 10 + dim + element_bytes)
-    k_spec, v_spec = _pair(bits, dim, element_bytes)
+    k_spec, v_spec = _pair(bits, dim, element_bytes, 32 if fold == "generic" else dim)
     counts = [3, 0, 40, 1]  # compressed blocks per row; 40 splits over several work items
     n, hq = sum(counts), HEADS * group
     k_rows = encode_rows(torch.randn(n, BS, HEADS, dim) * 2, k_spec)

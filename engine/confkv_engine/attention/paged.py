@@ -105,6 +105,7 @@ class DecodePlan:
     codes: codes.CodesSplit | None = None
     seqs: list[SeqKV] | None = None
     whole: DecodePlan | None = None
+    native: native_decode.DecodeTables | None = None  # the compacted pool part, read in place
 
     def slot(self, row: int, slot: int, block_size: int) -> int:
         """Where a slot of row ``row``'s sequence lies in this plan's gathered table."""
@@ -233,8 +234,11 @@ class PagedAttention:
         lengths = self.cache.staging.send([s.num_slots + 1 for s in seqs] if split is None else split.lengths)
         visible = slots[None, :] < lengths[:, None]
         mask = _Mask(visible[:, None, None, :])
+        # With the values as the pool holds them, the native kernel reads the pool part in place.
+        native = (native_decode.DecodeTables.build(k_tables, v_tables, split.lengths, pad)
+                  if split is not None and self.native_ok and self._key_only() is None else None)
         return DecodePlan(rows, self.cache.gather_plan(table), width * bs, mask, lengths, codes=split,
-                          seqs=None if split is None else seqs)
+                          seqs=None if split is None else seqs, native=native)
 
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
         bs = self.cache.spec.block_size
@@ -318,6 +322,9 @@ class PagedAttention:
             if plan.whole is None:
                 plan.whole = self._decode_group(cast(list[SeqKV], plan.seqs), plan.rows, from_codes=False)
             plan = plan.whole
+        if plan.native is not None and plan.codes is not None:
+            out, lse = native_decode.decode_attention_lse(q, self.cache.kv[layer], plan.native)
+            return codes.merge(self.cache, layer, q, plan.codes, out, lse)
         b, hq, d = q.shape
         hkv = self.cache.spec.num_kv_heads
         both = self._gather(layer, plan.table).view(2, b, plan.width, hkv, d).transpose(2, 3)

@@ -215,10 +215,16 @@ static void part_range(int64_t lo, int64_t hi, int64_t part, int64_t parts, int6
     *b = *a + step < hi ? *a + step : hi;
 }
 
+/* The version of confkv_decode_attention's arguments; native_decode checks it, so a library built from
+   an older source is not called with arguments it would read differently. 2: the lse output. */
+int confkv_decode_abi(void) { return 2; }
+
+/* lse: NULL, or [B, Hq] fp32 that gets each query head's log-sum-exp of its scaled scores (-inf for
+   no visible slot), so another part of the same attention can be merged in exactly. */
 int confkv_decode_attention(const void *q, void *out, int dtype, int64_t rows, int64_t hq,
                             const void *pool, int64_t bs, int64_t hkv, int64_t d,
                             const int64_t *k_table, const int64_t *v_table, int64_t width,
-                            const int64_t *lens, int64_t window, float scale, int threads) {
+                            const int64_t *lens, int64_t window, float scale, int threads, float *lse) {
     if (dtype != DT_F32 && dtype != DT_BF16) return -1;
     if (d > MAX_D || hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP) return -2;
     int64_t longest = 1;
@@ -277,6 +283,7 @@ int confkv_decode_attention(const void *q, void *out, int dtype, int64_t rows, i
                     for (int64_t i = 0; i < d; i++) of[i] += w * o[i];
                 }
                 float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                if (lse) lse[r * hq + h * group + g] = total > 0.0f ? best + logf(total) : -INFINITY;
                 for (int64_t i = 0; i < d; i++) {
                     if (dtype == DT_F32) ((float *)out)[at + g * d + i] = of[i] * inv;
                     else ((uint16_t *)out)[at + g * d + i] = f32_to_bf16(of[i] * inv);

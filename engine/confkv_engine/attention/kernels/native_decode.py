@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -26,6 +27,7 @@ from torch import Tensor
 from confkv_engine.cache.codec.native import find_library
 
 LIBRARY = "_decode"
+ABI = 2  # confkv_decode_abi() of the arguments below (2: the log-sum-exp output)
 SWITCH = "CONFKV_NATIVE_DECODE"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "unsupported dtype", -2: "head dim above 256 or query heads not grouped",
@@ -37,12 +39,16 @@ def _library() -> ctypes.CDLL | None:
     lib = find_library(Path(__file__).parent, LIBRARY, SWITCH)
     if lib is None:
         return None
+    if not hasattr(lib, "confkv_decode_abi") or lib.confkv_decode_abi() != ABI:
+        warnings.warn(f"{LIBRARY} was built from an older _decode.c: rebuild it (pip install -e . or make "
+                      "setup); decode attention gathers meanwhile", stacklevel=2)
+        return None
     fn = lib.confkv_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_float, ctypes.c_int]
+                   ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -77,6 +83,19 @@ def decode_attention(q: Tensor, pool: Tensor, tables: DecodeTables, window: int 
                      scale: float | None = None) -> Tensor:
     """q [B, Hq, D] against pool layer ``pool`` [NB, bs, Hkv, D] (q's dtype) through ``tables``;
     returns [B, Hq, D] in q's dtype. ``window``: only the last ``window`` visible slots."""
+    return _attend(q, pool, tables, window, scale, None)
+
+
+def decode_attention_lse(q: Tensor, pool: Tensor, tables: DecodeTables) -> tuple[Tensor, Tensor]:
+    """``decode_attention`` with its log-sum-exp: (out [B, Hq, D] in q's dtype, lse [B, Hq] fp32 of
+    the scaled scores, -inf for a row with no visible slot), for merging another part of the same
+    attention (``attention.codes``)."""
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    return _attend(q, pool, tables, None, None, lse), lse
+
+
+def _attend(q: Tensor, pool: Tensor, tables: DecodeTables, window: int | None, scale: float | None,
+            lse: Tensor | None) -> Tensor:
     lib = _library()
     if lib is None:
         raise RuntimeError("the native decode attention library is not built (see setup.py)")
@@ -90,7 +109,8 @@ def decode_attention(q: Tensor, pool: Tensor, tables: DecodeTables, window: int 
     rc = lib.confkv_decode_attention(
         q.data_ptr(), out.data_ptr(), DTYPES[q.dtype], b, hq, pool.data_ptr(), bs, hkv, d,
         tables.k_table.data_ptr(), tables.v_table.data_ptr(), tables.k_table.shape[1], tables.lens.data_ptr(),
-        window or 0, scale if scale is not None else 1.0 / math.sqrt(d), torch.get_num_threads())
+        window or 0, scale if scale is not None else 1.0 / math.sqrt(d), torch.get_num_threads(),
+        None if lse is None else lse.data_ptr())
     if rc:
         raise RuntimeError(f"native decode attention: {_ERRORS.get(rc, rc)}")
     return out

@@ -32,7 +32,7 @@ from torch import Tensor
 from confkv_engine.cache.codec.spec import CodecSpec
 
 LIBRARY = "_dequant"
-CODES_ABI = 2  # confkv_codes_abi() of the arguments below (block tails: slots straddling two hosts)
+CODES_ABI = 3  # confkv_codes_abi() of the functions below (3: confkv_codes_vector_folds)
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # CONFKV_NATIVE_CODEC=0 turns the library off (the PyTorch decode, for comparisons).
 SWITCH = "CONFKV_NATIVE_CODEC"
@@ -61,14 +61,17 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_int] * 7)]
     if not hasattr(lib, "confkv_codes_abi") or lib.confkv_codes_abi() != CODES_ABI:
-        warnings.warn(f"{LIBRARY} was built from an older _dequant.c: rebuild it (pip install -e . "
-                      "or make setup); the codec decodes with PyTorch ops meanwhile", stacklevel=2)
+        warnings.warn(f"{LIBRARY} was built from older sources (_dequant.c, _codes.c): rebuild it "
+                      "(pip install -e . or make setup); the codec decodes with PyTorch ops meanwhile",
+                      stacklevel=2)
         return None
     att = lib.confkv_codes_attention
     att.restype = ctypes.c_int
     blocks = [ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_void_p] * 3)]  # raw, len, off, tail, lay
     att.argtypes = [*blocks, *blocks, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                     ctypes.c_void_p, *([ctypes.c_int] * 6), *([ctypes.c_void_p] * 3)]
+    lib.confkv_codes_vector_folds.restype = ctypes.c_int
+    lib.confkv_codes_vector_folds.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -178,6 +181,13 @@ def attend_codes(q: Tensor, keys: Source, k_spec: CodecSpec, values: Source, v_s
         raise ValueError("attend_codes: a block lies outside its bytes, or row_start does not cover them")
     if rc:
         raise MemoryError("attend_codes: out of memory")
+
+
+def vector_folds(on: bool | None = None) -> bool:
+    """Whether ``attend_codes`` folds the codecs' usual block shape in AVX2 vectors (CPUs with
+    x86-64-v3) rather than in the portable array form; ``on`` chooses (the tests run both forms)."""
+    lib = _library()
+    return lib is not None and bool(lib.confkv_codes_vector_folds(-1 if on is None else int(on)))
 
 
 def _ptr(t: Tensor | None) -> int | None:
