@@ -2,7 +2,7 @@
 (``codec.blocks.decode_rows``) and attending the decoded keys and values, merged exactly with a part
 attended elsewhere (the pool's rows): random real encodings, int8 / int4 / int2 and int4 keys with int2
 values, fp16 and dq6 key parameters, ragged rows (one with no compressed block), a partly valid
-block, GQA 1 and 3, head dims 64 and 128, value groups of 32 (the generic fold) and of head_dim (the
+block, GQA 1 and 3, head dims 64, 128 and 256, value groups of 32 (the generic fold) and of head_dim (the
 codecs' usual shape, compiled per shape), the latter in both its forms (arrays; AVX2 vectors where the
 CPU has them)."""
 
@@ -50,7 +50,7 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> tuple
 
 @pytest.mark.parametrize("bits", [(8, 8), (4, 4), (2, 2), (4, 2)])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("element_bytes", [4, 2])  # fp16 key parameters (fp32 pool), dq6 (bf16 pool)
 def test_codes_attention_equals_decode_then_attend(bits, group, dim, element_bytes, fold):
     torch.manual_seed(sum(bits) * 100 + group * 10 + dim + element_bytes)

@@ -254,8 +254,8 @@ static void fold_any(const uint8_t *kblk, const int64_t *klay, const uint8_t *vb
 /* ---- The codecs' usual shape: 16-token blocks, one key group per channel along the block (kg = bs),
    one value group per (token, head) along head_dim (vg = D) ------------------------------------------
 
-   Compiled per (key bits, value bits, head_dim) with constant loop bounds (the generic fold with
-   run-time bounds measured ~4x slower). Two forms: the array one above with constants (every CPU,
+   Compiled per (key bits, value bits, head_dim 64 / 128 / 256) with constant loop bounds (the generic
+   fold with run-time bounds measured ~4x slower). Two forms: the array one above with constants (every CPU,
    cloned per ISA) and, on x86-64 CPUs with AVX2 / FMA / F16C, one in 8-lane vectors (GCC's vector
    extension, compiled for x86-64-v3), since the array form was bound by its dependency chains, not by
    arithmetic (perf annotate at 8 x 2,048 under conf-kv+tiers: the key scores one multiply-add chain
@@ -276,7 +276,8 @@ static void fold_any(const uint8_t *kblk, const int64_t *klay, const uint8_t *vb
     }
 #define FOLD_SHAPES(FOLD)                                                                                \
     FOLD(8, 8, 64) FOLD(4, 4, 64) FOLD(4, 2, 64) FOLD(2, 2, 64)                                          \
-    FOLD(8, 8, 128) FOLD(4, 4, 128) FOLD(4, 2, 128) FOLD(2, 2, 128)
+    FOLD(8, 8, 128) FOLD(4, 4, 128) FOLD(4, 2, 128) FOLD(2, 2, 128)                                      \
+    FOLD(8, 8, 256) FOLD(4, 4, 256) FOLD(4, 2, 256) FOLD(2, 2, 256)
 FOLD_SHAPES(FOLD_FIXED)
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
@@ -397,12 +398,14 @@ int confkv_codes_vector_folds(int on) {
 }
 
 static fold_fn pick_fold(const int64_t *klay, const int64_t *vlay, int bs, int D) {
-    if (bs != 16 || klay[L_GROUP] != bs || vlay[L_GROUP] != D || (D != 64 && D != 128)) return fold_any;
+    if (bs != 16 || klay[L_GROUP] != bs || vlay[L_GROUP] != D || (D != 64 && D != 128 && D != 256))
+        return fold_any;
     const int64_t kb = klay[L_BITS], vb = vlay[L_BITS];
     const int vector = confkv_codes_vector_folds(-1);
     (void)vector;
 #define PICK(PREFIX, KB, VB)                                                                             \
-    if (kb == KB && vb == VB) return D == 64 ? PREFIX##KB##_##VB##_64 : PREFIX##KB##_##VB##_128;
+    if (kb == KB && vb == VB)                                                                            \
+        return D == 64 ? PREFIX##KB##_##VB##_64 : D == 128 ? PREFIX##KB##_##VB##_128 : PREFIX##KB##_##VB##_256;
 #if VECTOR_FOLDS
     if (vector) {
         PICK(vfold_, 8, 8)
