@@ -94,9 +94,9 @@ class DecodePlan:
     """A group of consecutive decode rows' blocks, K rows then V rows, padded to one width."""
 
     rows: slice  # the group's rows among the step's decode rows
-    table: GatherPlan  # 2 * B * blocks entries
+    table: GatherPlan | None  # 2 * B * blocks entries (None: ``native`` reads the pool part)
     width: int  # gathered slots per row
-    mask: _Mask  # [B, 1, 1, width]
+    mask: _Mask | None  # [B, 1, 1, width] (None with ``native``)
     lengths: Tensor  # [B] visible slots per row
     windowed: dict[int, _Mask] | None = None  # per sliding window, built on first use in a step
     # Compressed entries attended from their codes (``attention.codes``): the table then holds the
@@ -229,16 +229,15 @@ class PagedAttention:
         width = max(1, max(len(t) for t in k_tables))
         table = [b for t in k_tables for b in t + [pad] * (width - len(t))]
         table += [b for t in v_tables for b in t + [pad] * (width - len(t))]
-        dev = self.cache.kv.device
-        slots = torch.arange(width * bs, device=dev)
         lengths = self.cache.staging.send([s.num_slots + 1 for s in seqs] if split is None else split.lengths)
-        visible = slots[None, :] < lengths[:, None]
-        mask = _Mask(visible[:, None, None, :])
-        # With the values as the pool holds them, the native kernel reads the pool part in place.
-        native = (native_decode.DecodeTables.build(k_tables, v_tables, split.lengths, pad)
-                  if split is not None and self.native_ok and self._key_only() is None else None)
-        return DecodePlan(rows, self.cache.gather_plan(table), width * bs, mask, lengths, codes=split,
-                          seqs=None if split is None else seqs, native=native)
+        if split is not None and self.native_ok and self._key_only() is None:
+            # Values as the pool holds them: the native kernel reads the pool part in place, so no
+            # gather plan or mask (a sliding-window layer builds ``whole``, which has them).
+            native = native_decode.DecodeTables.build(k_tables, v_tables, split.lengths, pad)
+            return DecodePlan(rows, None, width * bs, None, lengths, codes=split, seqs=seqs, native=native)
+        visible = torch.arange(width * bs, device=self.cache.kv.device)[None, :] < lengths[:, None]
+        return DecodePlan(rows, self.cache.gather_plan(table), width * bs, _Mask(visible[:, None, None, :]),
+                          lengths, codes=split, seqs=None if split is None else seqs)
 
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
         bs = self.cache.spec.block_size
@@ -327,9 +326,10 @@ class PagedAttention:
             return codes.merge(self.cache, layer, q, plan.codes, out, lse)
         b, hq, d = q.shape
         hkv = self.cache.spec.num_kv_heads
-        both = self._gather(layer, plan.table).view(2, b, plan.width, hkv, d).transpose(2, 3)
+        table = cast(GatherPlan, plan.table)  # set on every plan without ``native``
+        both = self._gather(layer, table).view(2, b, plan.width, hkv, d).transpose(2, 3)
         keys, vals = both[0], self._decode_values(layer, both[1], plan)  # [B, Hkv, S, D]
-        mask = plan.mask if window is None else self._decode_window(plan, window)
+        mask = cast(_Mask, plan.mask) if window is None else self._decode_window(plan, window)
         qg = q.view(b, hkv, self.group, d)
         if plan.codes is None:
             out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.additive(q.dtype))

@@ -401,13 +401,11 @@ static fold_fn pick_fold(const int64_t *klay, const int64_t *vlay, int bs, int D
     if (bs != 16 || klay[L_GROUP] != bs || vlay[L_GROUP] != D || (D != 64 && D != 128 && D != 256))
         return fold_any;
     const int64_t kb = klay[L_BITS], vb = vlay[L_BITS];
-    const int vector = confkv_codes_vector_folds(-1);
-    (void)vector;
 #define PICK(PREFIX, KB, VB)                                                                             \
     if (kb == KB && vb == VB)                                                                            \
         return D == 64 ? PREFIX##KB##_##VB##_64 : D == 128 ? PREFIX##KB##_##VB##_128 : PREFIX##KB##_##VB##_256;
 #if VECTOR_FOLDS
-    if (vector) {
+    if (confkv_codes_vector_folds(-1)) {
         PICK(vfold_, 8, 8)
         PICK(vfold_, 4, 4)
         PICK(vfold_, 4, 2)
