@@ -185,6 +185,33 @@ def test_assignment_is_by_rank_per_unit_and_one_way() -> None:
     assert out.tolist() == [[F, D, I4, I4], [D, I4, I4, F]]
 
 
+def _assign_by_ranks(conf, tiers, eligible, counts, kept):
+    """The assignment as first written: one rank per tier over its pool (``rank_desc``)."""
+    from confkv_engine.retention.precision import chain_index
+    from confkv_engine.retention.tiers import rank_desc
+
+    out, cur, placed = tiers.clone(), chain_index(tiers, kept), torch.zeros_like(eligible)
+    for j, t in enumerate(kept):
+        pool = eligible & ~placed & (cur <= j)
+        pick = pool & (rank_desc(conf, pool) < counts[j])
+        out[pick] = t
+        placed |= pick
+    out[eligible & ~placed] = D
+    return out
+
+
+def test_one_sort_assigns_as_one_rank_per_tier_did() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = 24
+        conf = (torch.rand(3, n, generator=gen) * 4).round() / 4  # ties, broken by slot in both
+        tiers = torch.tensor([F, I4, I2, D], dtype=torch.int8)[torch.randint(0, 4, (3, n), generator=gen)]
+        eligible = torch.rand(3, n, generator=gen) < 0.8
+        counts = torch.randint(-1, 9, (3,), generator=gen).tolist()
+        got = assign_chain(conf, tiers, eligible, counts, KEPT)
+        assert torch.equal(got, _assign_by_ranks(conf, tiers, eligible, counts, KEPT)), trial
+
+
 def test_held_bytes_counts_staged_remainders_at_full_and_whole_blocks_at_codec_size() -> None:
     acct = KVAccounting(block_size=2, half_block_bytes=100, meta_bytes_per_slot=1,
                         pair_bytes=((I4, 60), (I2, 40)))

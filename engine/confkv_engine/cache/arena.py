@@ -180,6 +180,17 @@ class SlotReads:
             raw.index_copy_(0, self.apart, stream.index_select(0, self.index).view(-1, slot_bytes))
         return raw
 
+    def read_layers(self, streams: Tensor, slot_bytes: int) -> Tensor:
+        """``read`` of several layers' streams [l, NB * host_bytes] into one uint8 [l, N, slot_bytes]
+        (a layer at a time: an index along a sliding view of all layers would materialise it)."""
+        raw = torch.empty((streams.shape[0], self.starts.numel(), slot_bytes), dtype=torch.uint8,
+                          device=streams.device)
+        for stream, out in zip(streams, raw, strict=True):
+            torch.index_select(stream.unfold(0, slot_bytes, 1), 0, self.starts, out=out)
+            if self.apart is not None and self.index is not None:
+                out.index_copy_(0, self.apart, stream.index_select(0, self.index).view(-1, slot_bytes))
+        return raw
+
 
 MAX_RUNS = 64  # more runs of consecutive rows than this: decode into a buffer and index_copy
 

@@ -27,7 +27,7 @@ from confkv_engine.cache.arena import (
     row_runs,
 )
 from confkv_engine.cache.block_pool import BlockPool, is_compressed
-from confkv_engine.cache.codec.blocks import decode_rows
+from confkv_engine.cache.codec.blocks import decode_keys_transposed, decode_rows
 from confkv_engine.cache.codec.spec import CodecSpec
 from confkv_engine.cache.layout import to_storage
 
@@ -246,6 +246,47 @@ class CompressedStore:
                 out.index_copy_(0, g.rows, decode_rows(raw, g.spec, dtype=out.dtype))
         return out
 
+    def gather_layers(self, layers: range, plan: GatherPlan, dtype: torch.dtype) -> Tensor:
+        """``gather`` of several layers at once (a float pool): [len(layers), len(table), bs, Hkv, D] in
+        ``dtype``; one pool index and one decode per arena for them all, not one per layer."""
+        kv = self.kv[layers.start:layers.stop]
+        if not plan.groups:
+            return _layer_rows(kv, plan.table).to(dtype)
+        nl, nr = kv.shape[0], plan.table.numel()
+        out = torch.empty((nl, nr, *kv.shape[2:]), dtype=dtype, device=kv.device)
+        if plan.pool_ids is not None and plan.pool_ids.numel():
+            out.index_copy_(1, plan.pool_rows, _layer_rows(kv, plan.pool_ids).to(dtype))
+        flat = out.view(nl * nr, *kv.shape[2:])
+        for g in plan.groups:
+            raw = g.reads.read_layers(self.bytes[layers.start:layers.stop], g.spec.nbytes)  # [l, N, nbytes]
+            n = raw.shape[1]
+            runs = g.runs or tuple((int(r), i, 1) for i, r in enumerate(g.rows.tolist()))
+            every = tuple((layer * nr + first, layer * n + src, count)
+                          for layer in range(nl) for first, src, count in runs)
+            decode_rows(raw.reshape(nl * n, -1), g.spec, dtype=dtype, out=flat, runs=every)
+        return out
+
+    def gather_keys_transposed(self, layers: range, plan: GatherPlan) -> Tensor:
+        """Keys of several layers as K^T: [len(layers), Hkv * D, len(table) * bs] fp32, the layout a
+        score matmul reads. Compressed key blocks decode straight into it (``decode_keys_transposed``);
+        without the library, ``gather_layers`` and a transpose."""
+        kv = self.kv[layers.start:layers.stop]
+        nl, nr, (bs, hkv, d) = kv.shape[0], plan.table.numel(), kv.shape[2:]
+        out = torch.empty((nl, hkv * d, nr * bs), dtype=torch.float32, device=kv.device)
+        blocks = out.view(nl, hkv * d, nr, bs)
+        for g in plan.groups:
+            raw = g.reads.read_layers(self.bytes[layers.start:layers.stop], g.spec.nbytes)  # [l, N, nbytes]
+            dst = (torch.arange(nl, device=kv.device)[:, None] * nr + g.rows[None, :]).reshape(-1)
+            if not decode_keys_transposed(raw.reshape(-1, g.spec.nbytes), g.spec, out, dst):
+                rows = self.gather_layers(layers, plan, torch.float32)  # [l, R, bs, Hkv, D]
+                return rows.view(nl, nr * bs, hkv * d).transpose(1, 2).contiguous()
+        pool_rows = plan.pool_rows if plan.groups else torch.arange(nr, device=kv.device)
+        pool_ids = plan.pool_ids if plan.groups else plan.table
+        if pool_ids is not None and pool_rows is not None and pool_ids.numel():
+            full = _layer_rows(kv, pool_ids).to(torch.float32)  # [l, P, bs, Hkv, D]
+            blocks.index_copy_(2, pool_rows, full.permute(0, 3, 4, 1, 2).reshape(nl, hkv * d, -1, bs))
+        return out
+
     def decode_block(self, handle: int) -> Tensor:
         """All layers of one compressed block: [L, bs, Hkv, D] in the pool's dtype."""
         h = self._handles[handle]
@@ -265,3 +306,10 @@ def _pool_rows(blocks: Tensor, ids: Tensor, dtype: torch.dtype | None, scales: T
     if scales is not None:
         out.mul_(scales.index_select(0, ids).to(out.dtype).unsqueeze(-1))
     return out
+
+
+def _layer_rows(kv: Tensor, ids: Tensor) -> Tensor:
+    """Pool blocks ``ids`` of the layers ``kv`` [l, NB, ...] holds (float8 as bytes, as ``_pool_rows``)."""
+    if kv.element_size() == 1:
+        return kv.view(torch.uint8).index_select(1, ids).view(kv.dtype)
+    return kv.index_select(1, ids)

@@ -48,7 +48,6 @@ from confkv_engine.retention.tiers import (
     TierConfig,
     equal_count,
     protected_mask,
-    rank_desc,
 )
 
 
@@ -98,15 +97,20 @@ def assign_chain(conf: Tensor, tiers: Tensor, eligible: Tensor, counts: list[int
     """Per unit, tier by tier from the top: the ``counts[j]`` best eligible slots not yet placed whose
     current tier is tier j or above get tier j; the remaining eligible slots are discarded (one-way)."""
     out = tiers.clone()
-    cur = chain_index(tiers, kept)
-    placed = torch.zeros_like(eligible)
-    for j, t in enumerate(kept):
-        pool = eligible & ~placed & (cur <= j)
-        pick = pool & (rank_desc(conf, pool) < counts[j])
-        out[pick] = t
-        placed |= pick
-    out[eligible & ~placed] = Tier.DISCARD
-    return out
+    # One descending sort serves every tier: a slot's rank in a tier's pool is the number of pool
+    # slots before it in that order (the order rank_desc breaks ties in: stable, by slot).
+    order = conf.masked_fill(~eligible, -math.inf).argsort(dim=-1, descending=True, stable=True)
+    cur = chain_index(tiers, kept).gather(-1, order)
+    free = eligible.gather(-1, order)
+    new = torch.full_like(cur, len(kept))
+    for j in range(len(kept)):
+        pool = free & (cur <= j)
+        pick = pool & (pool.cumsum(-1) <= counts[j])
+        new[pick] = j
+        free &= ~pick
+    placed = torch.empty_like(new).scatter_(-1, order, new)
+    lookup = torch.tensor([int(t) for t in kept] + [int(Tier.DISCARD)], dtype=out.dtype)
+    return torch.where(eligible, lookup.to(out.device)[placed], out)
 
 
 Allow = Callable[[int, list[int], list[int]], bool]
@@ -225,7 +229,15 @@ def decide_precision(pos: Tensor, tiers: Tensor, conf: Tensor, length: int, prev
     n_prot = equal_count(prot & alive)
     bs = acct.block_size
     starts = list(range(base, frozen_end, bs))
-    frozen = tuple(int(chain_index(out[0, s], kept)) for s in starts)
+    # Frozen blocks' chain tiers and mean confidences, and the candidates' confidence profile (best
+    # first), read back as one list: the per-block reads were a tenth of a decision.
+    masked = torch.where(cand, conf, torch.full_like(conf, -math.inf))
+    profile = masked.sort(dim=-1, descending=True).values[:, :sum(counts)].mean(0)
+    block_tiers = chain_index(out[0, base:frozen_end:bs], kept)
+    block_means = conf[:, base:frozen_end].reshape(conf.shape[0], -1, bs).mean((0, 2))
+    host = torch.cat([block_tiers.double(), block_means.double(), profile.double()]).tolist()
+    nb = len(starts)
+    frozen, block_conf = tuple(int(j) for j in host[:nb]), tuple(host[nb:2 * nb])
 
     def fits(c: list[int], blocks: list[int]) -> bool:
         tiers_of = [kept[j] if j < len(kept) else Tier.DISCARD for j in blocks]
@@ -233,9 +245,17 @@ def decide_precision(pos: Tensor, tiers: Tensor, conf: Tensor, length: int, prev
 
     if fits(counts, list(frozen)):
         return out
+    new_counts, new_frozen = walk(host[2 * nb:], counts, step_weights(cfg, acct), fits, block_conf, frozen,
+                                  last_tier_cap(cfg, len(kept), bs))
+    if new_counts != counts:
+        out = assign_chain(conf, out, cand, new_counts, kept)
+    for s, j, was in zip(starts, new_frozen, frozen, strict=True):
+        if j != was:  # a frozen block holds one tier throughout
+            out[:, s:s + bs] = kept[j] if j < len(kept) else Tier.DISCARD
+    return out
     masked = torch.where(cand, conf, torch.full_like(conf, -math.inf))
     profile = masked.sort(dim=-1, descending=True).values[:, :sum(counts)].mean(0).tolist()
-    block_conf = tuple(float(conf[:, s:s + bs].mean()) for s in starts)
+    block_conf = tuple(conf[:, base:frozen_end].reshape(conf.shape[0], -1, bs).mean((0, 2)).tolist())
     new_counts, new_frozen = walk(profile, counts, step_weights(cfg, acct), fits, block_conf, frozen,
                                   last_tier_cap(cfg, len(kept), bs))
     if new_counts != counts:

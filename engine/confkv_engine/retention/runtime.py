@@ -211,6 +211,24 @@ class RetentionState:
             scorer.update_peak(self.peak[layer, :, :s], probs, self.pos[layer, :, :s], query_pos.long(),
                                self.group, sc.memory_distance, fade, sc.memory_reach)
 
+    def on_attention_layers(self, probs: Tensor, query_pos: Tensor) -> None:
+        """``on_attention`` for every layer: probs [L, Hkv, T, S]. One fold over all layers when they
+        have seen the same queries (always, as the engine records them), else layer by layer."""
+        last = self.last_query[0]
+        if any(q != last for q in self.last_query):
+            for layer in range(probs.shape[0]):
+                self.on_attention(layer, probs[layer], query_pos)
+            return
+        s, query_pos = probs.shape[-1], query_pos.long()
+        new = scorer.update_attention(self.acc[:, :, :s], self.norm[:, :, :s], probs.float(),
+                                      self.pos[:, :, :s], query_pos, last, self.cfg.scorer.decay)
+        self.last_query = [new] * len(self.last_query)
+        if self.cfg.remembers:
+            sc = self.cfg.scorer
+            fade = sc.memory_decay ** (new - last) if last >= 0 else 1.0
+            scorer.update_peak(self.peak[:, :, :s], probs, self.pos[:, :, :s], query_pos, self.group,
+                               sc.memory_distance, fade, sc.memory_reach)
+
     def on_sampling(self, first_position: int, confidences: list[float]) -> None:
         """Sampling confidence of the tokens at ``first_position``, ``first_position + 1``..."""
         need = first_position + len(confidences)

@@ -131,10 +131,10 @@ def update_attention(
 ) -> int:
     """Fold one chunk of queries into the decayed accumulators, in place; returns the new last query.
 
-    acc/norm [U, S]: A_j and N_j for the S cached keys of each of U units (units = KV heads of one
-    layer, or any leading dims flattened), keys added this chunk start at 0.
-    probs [U, T, S]: attention of the T chunk queries to each key, already summed over the query
-    heads of the unit. key_pos [U, S], query_pos [T] (ascending) are absolute positions.
+    acc/norm [*U, S]: A_j and N_j for the S cached keys of each unit (units = KV heads of one layer,
+    or of several: any leading dims), keys added this chunk start at 0.
+    probs [*U, T, S]: attention of the T chunk queries to each key, already summed over the query
+    heads of the unit. key_pos [*U, S], query_pos [T] (ascending) are absolute positions.
     ``last_query`` is the position of the newest query already folded in (-1 if none).
 
     Exactness: rescaling by lam^(t_new - t_old) and weighting each query by lam^(t_new - i) is the
@@ -146,32 +146,32 @@ def update_attention(
         acc.mul_(factor)
         norm.mul_(factor)
     w = decay ** (t_new - query_pos.to(torch.float64)).to(acc.dtype)  # [T]
-    acc.add_(torch.einsum("t,uts->us", w, probs.to(acc.dtype)))
-    visible = (key_pos[:, None, :] <= query_pos[None, :, None]).to(acc.dtype)  # [U, T, S]
-    norm.add_(torch.einsum("t,uts->us", w, visible))
+    acc.add_(torch.einsum("t,...ts->...s", w, probs.to(acc.dtype)))
+    visible = (key_pos[..., None, :] <= query_pos[:, None]).to(acc.dtype)  # [*U, T, S]
+    norm.add_(torch.einsum("t,...ts->...s", w, visible))
     return t_new
 
 
 def update_peak(peak: Tensor, probs: Tensor, key_pos: Tensor, query_pos: Tensor, group: int,
                 min_distance: int, fade: float = 1.0, reach: int | None = None) -> None:
-    """Raise ``peak`` [U, S] (any float dtype) in place to this chunk's mean relative attention where
+    """Raise ``peak`` [*U, S] (any float dtype) in place to this chunk's mean relative attention where
     it is higher.
 
-    probs [U, T, S] as in ``update_attention``. Query ``i`` gives key ``j`` the relative attention
+    probs [*U, T, S] as in ``update_attention``. Query ``i`` gives key ``j`` the relative attention
     ``a_ij * n_i / G`` (``n_i``: the keys it saw, so uniform attention is 1); the chunk's value for
     ``j`` is the mean over its queries with ``i - j >= min_distance`` (none: ``peak`` unchanged).
     The chunk is the decision interval's queries, so the peak depends on the interval (it is fixed
     per chain, and replays run the same chunks). ``fade`` multiplies the old peak first; queries more
     than ``reach`` after the key do not count (None: all)."""
     probs = probs.float()
-    visible = key_pos[:, None, :] <= query_pos[None, :, None]  # [U, T, S]
-    seen = visible.sum(-1, keepdim=True).float()  # [U, T, 1]
-    far = key_pos[:, None, :] <= (query_pos - min_distance)[None, :, None]
+    visible = key_pos[..., None, :] <= query_pos[:, None]  # [*U, T, S]
+    seen = visible.sum(-1, keepdim=True).float()  # [*U, T, 1]
+    far = key_pos[..., None, :] <= (query_pos - min_distance)[:, None]
     if reach is not None:
-        far &= key_pos[:, None, :] >= (query_pos - reach)[None, :, None]
+        far &= key_pos[..., None, :] >= (query_pos - reach)[:, None]
     far = far.float()
-    count = far.sum(1)
-    mean = (probs * seen * far).sum(1) / (group * count.clamp_min(1.0))
+    count = far.sum(-2)
+    mean = (probs * seen * far).sum(-2) / (group * count.clamp_min(1.0))
     old = peak.float() * fade
     peak.copy_(torch.maximum(old, torch.where(count > 0, mean, old)))  # peak may be stored narrower
 

@@ -431,7 +431,7 @@ static void merge(float *m, float *l, float *acc, float pm, float pl, const floa
 
 /* The version of confkv_codes_attention's arguments; codec.native checks it, so a library built from
    an older source is not called with arguments it would read differently. */
-int confkv_codes_abi(void) { return 3; }
+int confkv_codes_abi(void) { return 4; }
 
 /* Block i of a stream: the nbytes at off[i], or, where tail[2i] < nbytes (a slot straddling two hosts
    that are not neighbours in the pool), its first tail[2i] bytes there and the rest at tail[2i + 1],

@@ -45,6 +45,13 @@ static inline void unpack_codes(const uint8_t *src, uint8_t *dst, int64_t count,
         memcpy(dst, src, (size_t)count);
         return;
     }
+    if (bits == 4) {  /* the usual case, spelled out so that it vectorises */
+        for (int64_t i = 0; i < count / 2; i++) {
+            dst[2 * i] = src[i] & 15u;
+            dst[2 * i + 1] = src[i] >> 4;
+        }
+        return;
+    }
     const int per = 8 / bits;
     const uint8_t mask = (uint8_t)((1u << bits) - 1u);
     for (int64_t i = 0; i < count / per; i++) {
@@ -110,6 +117,54 @@ void confkv_dequantize(const uint8_t *raw, int64_t raw_stride, const float *scal
                 uint16_t *o = (uint16_t *)out + dst[i] * elems;
                 for (int64_t e = 0; e < elems; e++) o[e] = to_bf16(block[e]);
             }
+        }
+    }
+}
+
+/* Keys (grouped along tokens, axis 0) decoded channel-major, fp32: element (h, c, t) of block i goes
+   to out[(h*dim + c)*ld + dst[i]*bs + t], i.e. K^T [heads*dim, ld] as a score matmul reads it. The
+   codes are stored channel-major already, so each channel's bs codes become bs contiguous floats
+   (the token-major decode above transposes every block first, most of its time). Blocks go in runs
+   of KEYS_RUN, channel by channel: a channel's row then receives one contiguous stretch per run
+   (consecutive destinations, as a sequence's frozen blocks have) instead of one cache line per
+   block, which measured as slow as the transpose. Same values as the token-major decode. */
+#define KEYS_RUN 16
+
+CONFKV_CLONES
+static void decode_keys_run(const uint8_t *codes, int64_t elems, const float *scales, const float *mins,
+                            int64_t num_groups, float *out, int64_t ld, const int64_t *dst, int run, int bs,
+                            int hd, int group) {
+    const int per_row = bs / group, fused = group == bs;
+    for (int hc = 0; hc < hd; hc++) {
+        for (int r = 0; r < run; r++) {
+            if (dst[r] < 0) continue;
+            const uint8_t *c = codes + r * elems + (int64_t)hc * bs;
+            const float *sc = scales + r * num_groups + (int64_t)hc * per_row;
+            const float *mn = mins + r * num_groups + (int64_t)hc * per_row;
+            float *o = out + (int64_t)hc * ld + dst[r] * bs;
+            if (per_row == 1) {
+                for (int t = 0; t < bs; t++) o[t] = mad((float)c[t], sc[0], mn[0], fused);
+            } else {
+                for (int t = 0; t < bs; t++) o[t] = mad((float)c[t], sc[t / group], mn[t / group], fused);
+            }
+        }
+    }
+}
+
+void confkv_dequantize_keys_cm(const uint8_t *raw, int64_t raw_stride, const float *scales, const float *mins,
+                               int64_t num_groups, float *out, int64_t ld, const int64_t *dst, int64_t n,
+                               int bits, int bs, int heads, int dim, int group, int threads) {
+    const int64_t elems = (int64_t)bs * heads * dim, runs = (n + KEYS_RUN - 1) / KEYS_RUN;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        uint8_t codes[KEYS_RUN * elems];  /* unpacked codes of one run (48 KB for SmolLM2's blocks) */
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < runs; k++) {
+            const int64_t i0 = k * KEYS_RUN;
+            const int run = (int)(n - i0 < KEYS_RUN ? n - i0 : KEYS_RUN);
+            for (int r = 0; r < run; r++) unpack_codes(raw + (i0 + r) * raw_stride, codes + r * elems, elems, bits);
+            decode_keys_run(codes, elems, scales + i0 * num_groups, mins + i0 * num_groups, num_groups, out, ld,
+                            dst + i0, run, bs, heads * dim, group);
         }
     }
 }

@@ -118,6 +118,16 @@ def decode_rows(rows: Tensor, spec: CodecSpec, dtype: torch.dtype = torch.float3
     return dequantize_blocks(unpack(codes, spec.bits), scales, mins, spec, layer, dtype, out, runs)
 
 
+def decode_keys_transposed(rows: Tensor, spec: CodecSpec, out: Tensor, dst: Tensor) -> bool:
+    """Key blocks ``rows`` [N, nbytes] decoded channel-major into ``out`` [R, Hkv * D, bs * C] fp32
+    (``native.decode_keys_transposed``: ``dst[i] = layer * C + table row``); False when the library
+    does not cover it (the caller decodes token-major and transposes)."""
+    if not native.covers(spec, torch.float32, rows.device) or spec.axis != 0:
+        return False
+    codes, params = _sections(rows, spec)
+    return native.decode_keys_transposed(rows, spec, *group_values(params, spec), out, dst)
+
+
 def _destinations(runs: Runs | None, n: int, device: torch.device) -> Tensor:
     """Output row of each of ``n`` decoded rows under ``runs`` (-1: a row no run places)."""
     if runs is None:

@@ -6,6 +6,9 @@ downloaded at run time: without the library, or for a case it does not cover, ``
 answers False and the caller decodes with PyTorch ops (same values: the library computes the same
 fp32 ``min + code * scale`` with the same roundings).
 
+``decode_keys_transposed`` decodes key blocks channel-major, as K^T, for the score matmul of
+retention's decisions (``retention.scoring``): the codes are stored that way, so nothing is transposed.
+
 ``attend_codes`` is decode attention straight from the codes of compressed K / V block pairs (same
 library, ``confkv_codes_attention``): no decoded element is written, the keys' and values' group
 parameters (fp16 or dq6) are read in C.
@@ -32,7 +35,7 @@ from torch import Tensor
 from confkv_engine.cache.codec.spec import CodecSpec
 
 LIBRARY = "_dequant"
-CODES_ABI = 3  # confkv_codes_abi() of the functions below (3: confkv_codes_vector_folds)
+CODES_ABI = 4  # confkv_codes_abi() of the functions below (4: confkv_dequantize_keys_cm)
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # CONFKV_NATIVE_CODEC=0 turns the library off (the PyTorch decode, for comparisons).
 SWITCH = "CONFKV_NATIVE_CODEC"
@@ -65,6 +68,10 @@ def _library() -> ctypes.CDLL | None:
                       "(pip install -e . or make setup); the codec decodes with PyTorch ops meanwhile",
                       stacklevel=2)
         return None
+    cm = lib.confkv_dequantize_keys_cm
+    cm.restype = None
+    cm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_int] * 6)]
     att = lib.confkv_codes_attention
     att.restype = ctypes.c_int
     blocks = [ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_void_p] * 3)]  # raw, len, off, tail, lay
@@ -109,6 +116,36 @@ def decode_into(rows: Tensor, spec: CodecSpec, scales: Tensor, mins: Tensor, out
     lib.confkv_dequantize(rows.data_ptr(), rows.stride(0), scales.data_ptr(), mins.data_ptr(),
                           spec.num_groups, out.data_ptr(), _OUT_DTYPES[out.dtype], dst.data_ptr(), n,
                           spec.bits, spec.axis, bs, heads, dim, spec.group, torch.get_num_threads())
+    return True
+
+
+def decode_keys_transposed(rows: Tensor, spec: CodecSpec, scales: Tensor, mins: Tensor, out: Tensor,
+                           dst: Tensor) -> bool:
+    """Decode key blocks (groups along tokens) ``rows`` [N, spec.nbytes] channel-major into ``out``
+    [R, Hkv * D, bs * C] fp32 (K^T of R layers of C table rows): block i, its token t and channel hc
+    go to ``out.view(-1, bs * C)[hc + (dst[i] // C) * Hkv * D, (dst[i] % C) * bs + t]``, i.e. ``dst[i]
+    = layer * C + table row``; -1 skips. False (nothing written) when not covered."""
+    if (not covers(spec, torch.float32, out.device) or spec.axis != 0 or out.dtype != torch.float32
+            or not out.is_contiguous()):
+        return False
+    n, (bs, heads, dim) = rows.shape[0], spec.shape
+    r, hd, ld = out.shape
+    if hd != heads * dim or ld % bs or tuple(rows.shape) != (n, spec.nbytes) or dst.shape != (n,):
+        raise ValueError(f"native decode: rows {tuple(rows.shape)}, out {tuple(out.shape)} do not fit {spec}")
+    per = ld // bs
+    dst = dst.to(torch.int64)
+    if n and int(dst.max()) >= r * per:
+        raise ValueError(f"native decode: row {int(dst.max())} is past the {r * per} rows of out")
+    # Block i starts at out + base * bs floats, base = layer * hd * per + row (see the C docstring).
+    base = torch.where(dst >= 0, (dst // per) * hd * per + dst % per, dst).contiguous()
+    lib = _library()
+    assert lib is not None
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    scales, mins = (x.to(torch.float32).reshape(n, spec.num_groups).contiguous() for x in (scales, mins))
+    lib.confkv_dequantize_keys_cm(rows.data_ptr(), rows.stride(0), scales.data_ptr(), mins.data_ptr(),
+                                  spec.num_groups, out.data_ptr(), ld, base.data_ptr(), n, spec.bits, bs,
+                                  heads, dim, spec.group, torch.get_num_threads())
     return True
 
 
