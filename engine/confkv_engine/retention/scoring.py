@@ -49,9 +49,9 @@ def _queue(cache: KVCache, seq: SeqKV, state: RetentionState) -> tuple[Retention
     spec, dev = cache.spec, cache.kv.device
     hkv, d, g, n, t = spec.num_kv_heads, spec.head_dim, state.group, state.num_slots, q_pos.numel()
     plan = cache.gather_plan(seq.k_blocks[: -(-n // spec.block_size)])  # compressed keys decode on read
-    pos, q_dev = state.pos.to(dev), q_pos.to(dev)
-    first_hidden = _first_hidden(pos, q_dev)
-    hidden = pos[:, :, None, first_hidden:] > q_dev[None, None, :, None]  # [L, Hkv, T, n - first_hidden]
+    first_hidden = _first_hidden(state.pos, q_pos)  # on the host, as the state: no device read
+    pos, q_dev = state.pos[..., first_hidden:].to(dev), q_pos.to(dev)
+    hidden = pos[:, :, None, :] > q_dev[None, None, :, None]  # [L, Hkv, T, n - first_hidden]
     host = torch.empty((len(queries), hkv, t, n), pin_memory=dev.type == "cuda")
     step = max(1, CHUNK_BYTES // (4 * hkv * n * (g * t + d)))
     scores = torch.empty((min(step, len(queries)) * hkv, g * t, n), device=dev)
