@@ -34,7 +34,10 @@ def test_long_prompt_holds_the_budget(server: EngineServer) -> None:
     full = complete(server, prompt, kv_policy="full")  # per request opt-out: the full cache's bytes
     n = budgeted["prompt_tokens"]
     assert n > 1000 and full["kv_tokens_discarded"] == 0 and full["effective_kv_budget"] is None
-    assert budgeted["kv_tokens_discarded"] > 0
+    # Retention acted: tokens dropped or held below FULL (the default precision chain may meet the
+    # budget with int4 / k4v2 blocks alone, as it did for this prompt on some machines).
+    lowered = sum(budgeted[f"kv_tokens_{t}"] for t in ("discarded", "int8", "int4", "k4v2", "int2"))
+    assert lowered > 0
     # The policy leaves room for the chunk appended before it acts again: no chunk on top.
     assert budgeted["peak_kv_bytes"] <= 0.25 * full["peak_kv_bytes"]
     assert budgeted["kv_tokens_full"] + budgeted["kv_tokens_key_only"] <= 0.25 * n
