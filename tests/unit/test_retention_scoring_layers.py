@@ -1,7 +1,7 @@
 """A decision's attention signal computed several layers at a time (``retention.scoring``): the keys of
-a mixed table (pool and compressed blocks) read for several layers at once, token-major
-(``KVCache.read_layers``) and as K^T (``read_keys_transposed``, compressed keys decoded channel-major
-by the native library), equal the per-layer ``read_table``; the probabilities equal a plain softmax
+a mixed table (pool and compressed blocks) read for several layers at once as K^T
+(``read_keys_transposed``, compressed keys decoded channel-major by the native library, or
+gathered token-major and transposed without it) equal the per-layer ``read_table``; the probabilities equal a plain softmax
 over the visible keys; folding all layers at once equals folding them one at a time."""
 
 from __future__ import annotations
@@ -77,12 +77,17 @@ def _mixed_cache(dtype: torch.dtype) -> tuple[KVCache, SeqKV]:
 def test_keys_read_for_several_layers_equal_the_per_layer_reads(dtype: torch.dtype) -> None:
     cache, seq = _mixed_cache(dtype)
     want = torch.stack([cache.read_table(seq.k_blocks, layer, 60) for layer in (1, 2)])  # [2, 60, Hkv, D]
-    got = cache.read_layers(seq.k_blocks, range(1, 3), 60)
-    assert torch.equal(got, want)
     kt = cache.read_keys_transposed(seq.k_blocks, range(1, 3), 60)
     assert kt.shape == (2, 2, 32, 60) and kt.dtype == torch.float32
     assert torch.equal(kt, want.permute(0, 2, 3, 1))
     assert kt.reshape(4, 32, 60).data_ptr() == kt.data_ptr()  # the matmul's view, no copy
+
+
+def test_keys_transposed_without_the_library_are_gathered_and_transposed(monkeypatch) -> None:
+    cache, seq = _mixed_cache(torch.float32)
+    want = torch.stack([cache.read_table(seq.k_blocks, layer, 60) for layer in (1, 2)])
+    monkeypatch.setattr(native, "covers", lambda *a: False)
+    assert torch.equal(cache.read_keys_transposed(seq.k_blocks, range(1, 3), 60), want.permute(0, 2, 3, 1))
 
 
 def test_probabilities_are_the_softmax_over_the_visible_keys_summed_per_kv_head() -> None:

@@ -393,24 +393,15 @@ class KVCache(PrefixCache):
         rows = self.gather(layer, plan)
         return rows.view(-1, spec.num_kv_heads, spec.head_dim)[:num_slots]
 
-    def read_layers(self, table: list[int], layers: range, num_slots: int,
-                    plan: GatherPlan | None = None) -> Tensor:
-        """``read_table`` of several layers at once: [len(layers), num_slots, Hkv, D] in the compute dtype."""
-        spec = self.spec
-        plan = plan or self.gather_plan(table[: -(-num_slots // spec.block_size)])
-        if self.scale is not None:  # an int8 pool: its scales apply per layer
-            return torch.stack([self.read_table(table, layer, num_slots, plan) for layer in layers])
-        rows = self.store.gather_layers(layers, plan, spec.compute_dtype)
-        return rows.view(len(layers), -1, spec.num_kv_heads, spec.head_dim)[:, :num_slots]
-
     def read_keys_transposed(self, table: list[int], layers: range, num_slots: int,
                              plan: GatherPlan | None = None) -> Tensor:
         """Keys of slots ``[0, num_slots)`` of several layers as K^T: [len(layers), Hkv, D, num_slots]
         fp32 (a view with the table's row stride: it reshapes to [l * Hkv, D, num_slots] for free)."""
         spec = self.spec
         plan = plan or self.gather_plan(table[: -(-num_slots // spec.block_size)])
-        if self.scale is not None:  # an int8 pool: per-layer scales, through read_layers
-            return self.read_layers(table, layers, num_slots, plan).float().permute(0, 2, 3, 1).contiguous()
+        if self.scale is not None:  # an int8 pool: its scales apply per layer
+            keys = torch.stack([self.read_table(table, layer, num_slots, plan) for layer in layers])
+            return keys.float().permute(0, 2, 3, 1).contiguous()
         kt = self.store.gather_keys_transposed(layers, plan)
         return kt.view(len(layers), spec.num_kv_heads, spec.head_dim, -1)[..., :num_slots]
 

@@ -253,13 +253,3 @@ def decide_precision(pos: Tensor, tiers: Tensor, conf: Tensor, length: int, prev
         if j != was:  # a frozen block holds one tier throughout
             out[:, s:s + bs] = kept[j] if j < len(kept) else Tier.DISCARD
     return out
-    masked = torch.where(cand, conf, torch.full_like(conf, -math.inf))
-    profile = masked.sort(dim=-1, descending=True).values[:, :sum(counts)].mean(0).tolist()
-    block_conf = tuple(conf[:, base:frozen_end].reshape(conf.shape[0], -1, bs).mean((0, 2)).tolist())
-    new_counts, new_frozen = walk(profile, counts, step_weights(cfg, acct), fits, block_conf, frozen,
-                                  last_tier_cap(cfg, len(kept), bs))
-    if new_counts != counts:
-        out = assign_chain(conf, out, cand, new_counts, kept)
-    for s, j in zip(starts, new_frozen, strict=True):
-        out[:, s:s + bs] = kept[j] if j < len(kept) else Tier.DISCARD
-    return out

@@ -201,15 +201,7 @@ class RetentionState:
     def on_attention(self, layer: int, probs: Tensor, query_pos: Tensor) -> None:
         """probs [Hkv, T, S] (summed over the query heads of each KV head) for this layer, and the
         queries' positions [T], both on the host (as the accumulators)."""
-        s, last = probs.shape[-1], self.last_query[layer]
-        self.last_query[layer] = scorer.update_attention(
-            self.acc[layer, :, :s], self.norm[layer, :, :s], probs.float(), self.pos[layer, :, :s],
-            query_pos.long(), self.last_query[layer], self.cfg.scorer.decay)
-        if self.cfg.remembers:
-            sc = self.cfg.scorer
-            fade = sc.memory_decay ** (self.last_query[layer] - last) if last >= 0 else 1.0
-            scorer.update_peak(self.peak[layer, :, :s], probs, self.pos[layer, :, :s], query_pos.long(),
-                               self.group, sc.memory_distance, fade, sc.memory_reach)
+        self.last_query[layer] = self._fold(layer, probs, query_pos, self.last_query[layer])
 
     def on_attention_layers(self, probs: Tensor, query_pos: Tensor) -> None:
         """``on_attention`` for every layer: probs [L, Hkv, T, S]. One fold over all layers when they
@@ -219,15 +211,19 @@ class RetentionState:
             for layer in range(probs.shape[0]):
                 self.on_attention(layer, probs[layer], query_pos)
             return
+        self.last_query = [self._fold(slice(None), probs, query_pos, last)] * len(self.last_query)
+
+    def _fold(self, layers: int | slice, probs: Tensor, query_pos: Tensor, last: int) -> int:
+        """Fold probs into the accumulators (and the peak) of ``layers``; returns the new last query."""
         s, query_pos = probs.shape[-1], query_pos.long()
-        new = scorer.update_attention(self.acc[:, :, :s], self.norm[:, :, :s], probs.float(),
-                                      self.pos[:, :, :s], query_pos, last, self.cfg.scorer.decay)
-        self.last_query = [new] * len(self.last_query)
+        new = scorer.update_attention(self.acc[layers, :, :s], self.norm[layers, :, :s], probs.float(),
+                                      self.pos[layers, :, :s], query_pos, last, self.cfg.scorer.decay)
         if self.cfg.remembers:
             sc = self.cfg.scorer
             fade = sc.memory_decay ** (new - last) if last >= 0 else 1.0
-            scorer.update_peak(self.peak[:, :, :s], probs, self.pos[:, :, :s], query_pos, self.group,
-                               sc.memory_distance, fade, sc.memory_reach)
+            scorer.update_peak(self.peak[layers, :, :s], probs, self.pos[layers, :, :s], query_pos,
+                               self.group, sc.memory_distance, fade, sc.memory_reach)
+        return new
 
     def on_sampling(self, first_position: int, confidences: list[float]) -> None:
         """Sampling confidence of the tokens at ``first_position``, ``first_position + 1``..."""
