@@ -1,8 +1,9 @@
 """A decision's attention signal computed several layers at a time (``retention.scoring``): the keys of
 a mixed table (pool and compressed blocks) read for several layers at once as K^T
 (``read_keys_transposed``, compressed keys decoded channel-major by the native library, or
-gathered token-major and transposed without it) equal the per-layer ``read_table``; the probabilities equal a plain softmax
-over the visible keys; folding all layers at once equals folding them one at a time."""
+gathered token-major and transposed without it) equal the per-layer ``read_table``; the
+probabilities equal a plain softmax over the visible keys; folding all layers at once equals folding
+them one at a time."""
 
 from __future__ import annotations
 
