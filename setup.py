@@ -1,7 +1,8 @@
 """The native part of the build: the codec's block decoder (``cache/codec/_dequant.c``) and the
 int8- and int4-weight matmuls for CPUs (``model/_q8matmul.c``; the same library, ``_native``, holds
 the layers' row-wise blocks, ``model/_rowops.c``) and
-the decode attention read from the paged pool (``attention/kernels/_decode.c``).
+the decode attention read from the paged pool (``attention/kernels/_decode.c``, with the attention
+mass retention folds at decision steps, ``_mass.c``).
 
 Everything else is declared in pyproject.toml. The library is plain C with a C ABI (no Python or
 PyTorch headers; ``codec.native`` loads it with ctypes), optional: without a C compiler the install
@@ -39,11 +40,13 @@ setup(ext_modules=[
         libraries=["m"],
         optional=True,
     ),
-    # Decode attention read from the paged pool; its per-row body is cloned for AVX-512 / AVX2 /
-    # x86-64 by the compiler (target_clones), chosen at load.
+    # Decode attention read from the paged pool, and the attention mass retention folds at decision
+    # steps (_mass.c); their per-row bodies are cloned for AVX-512 / AVX2 / x86-64 by the compiler
+    # (target_clones), chosen at load.
     Extension(
         "confkv_engine.attention.kernels._decode",
-        sources=["engine/confkv_engine/attention/kernels/_decode.c"],
+        sources=["engine/confkv_engine/attention/kernels/_decode.c",
+                 "engine/confkv_engine/attention/kernels/_mass.c"],  # retention's attention mass
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from confkv_api.config import ConfKVConfig
+from confkv_engine.attention.kernels import native_mass
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.parts import build_parts
 from confkv_engine.core.sampling_params import SamplingParams
@@ -32,7 +33,15 @@ POLICIES = {
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[bool, SyncCounter]]]:
-    """Per policy, for each decode step of SEQS sequences: (decision step?, its counter)."""
+    """Per policy, for each decode step of SEQS sequences: (decision step?, its counter). The CPU's
+    native fold of the attention signal (``native_mass``: it folds where it scores, so it has nothing
+    to wait for) is off: the counts are those of the device path, which queues and waits once."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_mass, "applies", lambda device: False)
+        return _steps(tmp_path_factory)
+
+
+def _steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[bool, SyncCounter]]]:
     _, model_dir = make_tiny_hf_model("llama", Path(tmp_path_factory.mktemp("sync")))
     loaded = load_model(str(model_dir))
     out = {}

@@ -207,7 +207,7 @@ class RetentionState:
         """``on_attention`` for every layer: probs [L, Hkv, T, S]. One fold over all layers when they
         have seen the same queries (always, as the engine records them), else layer by layer."""
         last = self.last_query[0]
-        if any(q != last for q in self.last_query):
+        if not self.layers_agree:
             for layer in range(probs.shape[0]):
                 self.on_attention(layer, probs[layer], query_pos)
             return
@@ -216,14 +216,36 @@ class RetentionState:
     def _fold(self, layers: int | slice, probs: Tensor, query_pos: Tensor, last: int) -> int:
         """Fold probs into the accumulators (and the peak) of ``layers``; returns the new last query."""
         s, query_pos = probs.shape[-1], query_pos.long()
-        new = scorer.update_attention(self.acc[layers, :, :s], self.norm[layers, :, :s], probs.float(),
-                                      self.pos[layers, :, :s], query_pos, last, self.cfg.scorer.decay)
+        m = scorer.attention_mass(probs, self.pos[layers, :, :s], query_pos,
+                                  scorer.query_weights(query_pos, self.cfg.scorer.decay), self.peak_filter)
+        return self._fold_mass(layers, m, query_pos, last)
+
+    def _fold_mass(self, layers: int | slice, m: scorer.AttentionMass, query_pos: Tensor, last: int) -> int:
+        s = m.mass.shape[-1]
+        new = scorer.fold_mass(self.acc[layers, :, :s], self.norm[layers, :, :s], m, int(query_pos[-1]), last,
+                               self.cfg.scorer.decay)
         if self.cfg.remembers:
-            sc = self.cfg.scorer
-            fade = sc.memory_decay ** (new - last) if last >= 0 else 1.0
-            scorer.update_peak(self.peak[layers, :, :s], probs, self.pos[layers, :, :s], query_pos,
-                               self.group, sc.memory_distance, fade, sc.memory_reach)
+            fade = self.cfg.scorer.memory_decay ** (new - last) if last >= 0 else 1.0
+            scorer.raise_peak(self.peak[layers, :, :s], m, self.group, fade)
         return new
+
+    @property
+    def peak_filter(self) -> scorer.PeakFilter | None:
+        """Which queries raise the remembered peak (None when the policy keeps none)."""
+        sc = self.cfg.scorer
+        return scorer.PeakFilter(sc.memory_distance, sc.memory_reach) if self.cfg.remembers else None
+
+    @property
+    def layers_agree(self) -> bool:
+        """Whether every layer has folded the same queries (always, as the engine records them)."""
+        return all(q == self.last_query[0] for q in self.last_query)
+
+    def on_attention_mass(self, m: scorer.AttentionMass, query_pos: Tensor) -> None:
+        """Fold a chunk's mass [L, Hkv, S] of every layer (``layers_agree`` must hold)."""
+        if not self.layers_agree:
+            raise ValueError("the layers have folded different queries: fold their probabilities in turn")
+        new = self._fold_mass(slice(None), m, query_pos, self.last_query[0])
+        self.last_query = [new] * len(self.last_query)
 
     def on_sampling(self, first_position: int, confidences: list[float]) -> None:
         """Sampling confidence of the tokens at ``first_position``, ``first_position + 1``..."""

@@ -125,6 +125,76 @@ def sampling_confidence(signal: SamplingSignal, kind: SamplingKind = "surprise")
     return 1.0 - signal.margin
 
 
+@dataclass(frozen=True)
+class PeakFilter:
+    """Which queries count toward a key's peak: those ``min_distance`` or more positions after it and
+    at most ``reach`` (None: any) after it."""
+
+    min_distance: int
+    reach: int | None = None
+
+
+@dataclass(frozen=True)
+class AttentionMass:
+    """One chunk of queries reduced per key ([*U, S] fp32 each): ``mass`` = sum_i w_i a_ij, ``seen`` =
+    sum_i w_i [i sees j]; with a peak filter, ``peak_sum`` = sum over the far queries i of
+    a_ij * n_i (``n_i``: the keys i saw) and ``peak_count`` their number (None without one). What
+    ``fold_mass`` / ``raise_peak`` add to the accumulators; ``attention_mass`` computes it from the
+    probabilities, ``attention.kernels.native_mass`` from the scores in one pass."""
+
+    mass: Tensor
+    seen: Tensor
+    peak_sum: Tensor | None = None
+    peak_count: Tensor | None = None
+
+
+def query_weights(query_pos: Tensor, decay: float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """lam^(t_new - i) of each query of a chunk (query_pos [T] ascending) -> [T] in ``dtype``."""
+    return decay ** (int(query_pos[-1]) - query_pos.to(torch.float64)).to(dtype)
+
+
+def attention_mass(probs: Tensor, key_pos: Tensor, query_pos: Tensor, weights: Tensor,
+                   peak: PeakFilter | None = None) -> AttentionMass:
+    """``AttentionMass`` of probs [*U, T, S] (attention of the T chunk queries to each key, summed over
+    the query heads of the unit), key_pos [*U, S], query_pos [T], weights [T] (``query_weights``; the
+    sums are in its dtype)."""
+    probs = probs.to(weights.dtype)
+    visible = key_pos[..., None, :] <= query_pos[:, None]  # [*U, T, S]
+    mass = torch.einsum("t,...ts->...s", weights, probs)
+    seen = torch.einsum("t,...ts->...s", weights, visible.to(weights.dtype))
+    if peak is None:
+        return AttentionMass(mass, seen)
+    n_seen = visible.sum(-1, keepdim=True).to(weights.dtype)  # [*U, T, 1]
+    far = key_pos[..., None, :] <= (query_pos - peak.min_distance)[:, None]
+    if peak.reach is not None:
+        far &= key_pos[..., None, :] >= (query_pos - peak.reach)[:, None]
+    far = far.to(weights.dtype)
+    return AttentionMass(mass, seen, (probs * n_seen * far).sum(-2), far.sum(-2))
+
+
+def fold_mass(acc: Tensor, norm: Tensor, m: AttentionMass, t_new: int, last_query: int, decay: float) -> int:
+    """Fold a chunk's mass into the decayed accumulators acc/norm [*U, S] in place (the chunk's
+    newest query at ``t_new``); returns it as the new last query.
+
+    Exactness: rescaling by lam^(t_new - t_old) and weighting each query by lam^(t_new - i) is the
+    same sum as folding the queries one at a time, so the result does not depend on chunk size."""
+    if last_query >= 0 and decay != 1.0:
+        factor = decay ** (t_new - last_query)
+        acc.mul_(factor)
+        norm.mul_(factor)
+    acc.add_(m.mass.to(acc.dtype))
+    norm.add_(m.seen.to(norm.dtype))
+    return t_new
+
+
+def raise_peak(peak: Tensor, m: AttentionMass, group: int, fade: float = 1.0) -> None:
+    """Raise ``peak`` [*U, S] (any float dtype) in place to the chunk's mean relative attention where it
+    is higher (``update_peak``); ``fade`` multiplies the old peak first."""
+    mean = m.peak_sum / (group * m.peak_count.clamp_min(1.0))
+    old = peak.float() * fade
+    peak.copy_(torch.maximum(old, torch.where(m.peak_count > 0, mean, old)))  # peak may be stored narrower
+
+
 def update_attention(
     acc: Tensor, norm: Tensor, probs: Tensor, key_pos: Tensor, query_pos: Tensor, last_query: int,
     decay: float,
@@ -136,20 +206,9 @@ def update_attention(
     probs [*U, T, S]: attention of the T chunk queries to each key, already summed over the query
     heads of the unit. key_pos [*U, S], query_pos [T] (ascending) are absolute positions.
     ``last_query`` is the position of the newest query already folded in (-1 if none).
-
-    Exactness: rescaling by lam^(t_new - t_old) and weighting each query by lam^(t_new - i) is the
-    same sum as folding the queries one at a time, so the result does not depend on chunk size.
     """
-    t_new = int(query_pos[-1])
-    if last_query >= 0 and decay != 1.0:
-        factor = decay ** (t_new - last_query)
-        acc.mul_(factor)
-        norm.mul_(factor)
-    w = decay ** (t_new - query_pos.to(torch.float64)).to(acc.dtype)  # [T]
-    acc.add_(torch.einsum("t,...ts->...s", w, probs.to(acc.dtype)))
-    visible = (key_pos[..., None, :] <= query_pos[:, None]).to(acc.dtype)  # [*U, T, S]
-    norm.add_(torch.einsum("t,...ts->...s", w, visible))
-    return t_new
+    m = attention_mass(probs, key_pos, query_pos, query_weights(query_pos, decay, acc.dtype))
+    return fold_mass(acc, norm, m, int(query_pos[-1]), last_query, decay)
 
 
 def update_peak(peak: Tensor, probs: Tensor, key_pos: Tensor, query_pos: Tensor, group: int,
@@ -163,17 +222,9 @@ def update_peak(peak: Tensor, probs: Tensor, key_pos: Tensor, query_pos: Tensor,
     The chunk is the decision interval's queries, so the peak depends on the interval (it is fixed
     per chain, and replays run the same chunks). ``fade`` multiplies the old peak first; queries more
     than ``reach`` after the key do not count (None: all)."""
-    probs = probs.float()
-    visible = key_pos[..., None, :] <= query_pos[:, None]  # [*U, T, S]
-    seen = visible.sum(-1, keepdim=True).float()  # [*U, T, 1]
-    far = key_pos[..., None, :] <= (query_pos - min_distance)[:, None]
-    if reach is not None:
-        far &= key_pos[..., None, :] >= (query_pos - reach)[:, None]
-    far = far.float()
-    count = far.sum(-2)
-    mean = (probs * seen * far).sum(-2) / (group * count.clamp_min(1.0))
-    old = peak.float() * fade
-    peak.copy_(torch.maximum(old, torch.where(count > 0, mean, old)))  # peak may be stored narrower
+    weights = torch.ones(query_pos.numel())
+    m = attention_mass(probs, key_pos, query_pos, weights, PeakFilter(min_distance, reach))
+    raise_peak(peak, m, group, fade)
 
 
 def attention_signal(acc: Tensor, norm: Tensor) -> Tensor:
