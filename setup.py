@@ -1,8 +1,8 @@
 """The native part of the build: the codec's block decoder (``cache/codec/_dequant.c``) and the
 int8- and int4-weight matmuls for CPUs (``model/_q8matmul.c``; the same library, ``_native``, holds
 the layers' row-wise blocks, ``model/_rowops.c``) and
-the decode attention read from the paged pool (``attention/kernels/_decode.c``, with the attention
-mass retention folds at decision steps, ``_mass.c``).
+the decode attention read from the paged pool (``attention/kernels/_decode.c``) and the attention
+mass retention folds at decision steps (``retention/_mass.c``).
 
 Everything else is declared in pyproject.toml. The library is plain C with a C ABI (no Python or
 PyTorch headers; ``codec.native`` loads it with ctypes), optional: without a C compiler the install
@@ -40,13 +40,20 @@ setup(ext_modules=[
         libraries=["m"],
         optional=True,
     ),
-    # Decode attention read from the paged pool, and the attention mass retention folds at decision
-    # steps (_mass.c); their per-row bodies are cloned for AVX-512 / AVX2 / x86-64 by the compiler
-    # (target_clones), chosen at load.
+    # Decode attention read from the paged pool; its per-row body is cloned for AVX-512 / AVX2 /
+    # x86-64 by the compiler (target_clones), chosen at load.
     Extension(
         "confkv_engine.attention.kernels._decode",
-        sources=["engine/confkv_engine/attention/kernels/_decode.c",
-                 "engine/confkv_engine/attention/kernels/_mass.c"],  # retention's attention mass
+        sources=["engine/confkv_engine/attention/kernels/_decode.c"],
+        extra_compile_args=["-O3", *OPENMP],
+        extra_link_args=OPENMP,
+        libraries=["m"],
+        optional=True,
+    ),
+    # The attention mass a retention decision folds (retention/_mass.c), cloned per ISA likewise.
+    Extension(
+        "confkv_engine.retention._mass",
+        sources=["engine/confkv_engine/retention/_mass.c"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],

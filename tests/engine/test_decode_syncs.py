@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from confkv_api.config import ConfKVConfig
-from confkv_engine.attention.kernels import native_mass
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.parts import build_parts
 from confkv_engine.core.sampling_params import SamplingParams
 from confkv_engine.model.loader import load_model
+from confkv_engine.retention import native_mass
 from testkit.drivers.sync_count import SyncCounter
 from tests.engine.tiny_models import make_tiny_hf_model
 

@@ -1,5 +1,5 @@
 """The attention mass a decision folds, computed from the scores in one native pass
-(``attention.kernels.native_mass``, ``_mass.c``), equals the PyTorch path: the softmax over the keys
+(``retention.native_mass``, ``_mass.c``), equals the PyTorch path: the softmax over the keys
 each query sees, summed per KV head (``scoring.softmax_probs``), reduced by ``scorer.attention_mass``;
 and a decision's whole fold (``scoring.score_batch``) leaves the same accumulators and peak either way."""
 
@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv_engine.attention.kernels import native_mass
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
 from confkv_engine.cache.layout import CacheSpec
-from confkv_engine.retention import scorer, scoring
+from confkv_engine.retention import native_mass, scorer, scoring
 from confkv_engine.retention.policies import RetentionConfig
 from confkv_engine.retention.runtime import RetentionState
 from confkv_engine.retention.scorer import PeakFilter, ScorerConfig

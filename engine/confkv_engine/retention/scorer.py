@@ -140,7 +140,7 @@ class AttentionMass:
     sum_i w_i [i sees j]; with a peak filter, ``peak_sum`` = sum over the far queries i of
     a_ij * n_i (``n_i``: the keys i saw) and ``peak_count`` their number (None without one). What
     ``fold_mass`` / ``raise_peak`` add to the accumulators; ``attention_mass`` computes it from the
-    probabilities, ``attention.kernels.native_mass`` from the scores in one pass."""
+    probabilities, ``retention.native_mass`` from the scores in one pass."""
 
     mass: Tensor
     seen: Tensor

@@ -12,9 +12,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from confkv_engine.attention.kernels import native_mass
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
-from confkv_engine.retention import scorer
+from confkv_engine.retention import native_mass, scorer
 from confkv_engine.retention.runtime import RetentionState
 
 

@@ -1,4 +1,4 @@
-"""Attention mass per cached token from the recorded queries' scores (``_mass.c``, in the ``_decode``
+"""Attention mass per cached token from the recorded queries' scores (``_mass.c``, the ``_mass``
 library), loaded with ctypes when it was built.
 
 What it replaces, at a decision step of a retained sequence: the softmax of the score matrix, the sum
@@ -21,7 +21,7 @@ from torch import Tensor
 from confkv_engine.cache.codec.native import find_library
 from confkv_engine.retention.scorer import AttentionMass, PeakFilter
 
-LIBRARY = "_decode"
+LIBRARY = "_mass"
 ABI = 1  # confkv_mass_abi() of the arguments below
 SWITCH = "CONFKV_NATIVE_MASS"
 
@@ -32,7 +32,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     if not hasattr(lib, "confkv_mass_abi") or lib.confkv_mass_abi() != ABI:
-        warnings.warn(f"{LIBRARY} was built without or from an older _mass.c: rebuild it (pip install -e . "
+        warnings.warn(f"{LIBRARY} was built from an older _mass.c: rebuild it (pip install -e . "
                       "or make setup); retention scores with PyTorch ops meanwhile", stacklevel=2)
         return None
     fn = lib.confkv_attention_mass
