@@ -43,8 +43,12 @@ def sample_step(model: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tupl
     index = send(rows) if send is not None else torch.tensor(rows, device=hidden.device)
     params = [s.params for s in samplers]
     if sampling.plain_greedy(params, [len(s.output_token_ids) for s in samplers]):
-        # The raw logits' argmax in the head's dtype: no fp32 copy, no processed copy.
-        tokens = sampling.greedy_tokens(model.compute_logits(hidden[index], fp32=False)).tolist()
+        # The raw logits' argmax in the head's dtype: no fp32 copy, no processed copy; no logits at
+        # all where the head's kernel fuses the argmax (``greedy_tokens`` None: it does not).
+        rows_hidden = hidden[index]
+        fused = model.greedy_tokens(rows_hidden) if hasattr(model, "greedy_tokens") else None
+        tokens = (fused if fused is not None else
+                  sampling.greedy_tokens(model.compute_logits(rows_hidden, fp32=False))).tolist()
         return {s: (t, None) for s, t in zip(samplers, tokens, strict=True)}
     logits = model.compute_logits(hidden[index])
     for s in samplers:  # the grammar is compiled on the sequence's first sampling step

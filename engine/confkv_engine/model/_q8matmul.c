@@ -51,34 +51,9 @@
 #include <string.h>
 #include <math.h>
 
-#include "_qcommon.h"
+#include "_q8tile.h"
 
-#define RT 8 /* activation rows per tile */
 #define AVX2_ROWS 4 /* of which the AVX2 path takes at a time (16 registers) */
-
-typedef struct {          /* quantized activations, rows x k */
-    const int8_t *q;      /* [rows, k] */
-    const float *s;       /* [rows, k / 32] each group's scale */
-    const float *off;     /* [rows] 128 * sum_g s[g] * sum_j a[g, j]: what the unsigned flip adds */
-    const float *flip16;  /* [rows, k / 16] 128 * s[g] * sum of each 16 codes (the flip's share of a dot) */
-    const float *flip32;  /* [rows, k / 32] the same per group of 32 (int4: / 16 is 8 * s * sum a) */
-    const float *xsum;    /* [rows, k / 32] exact fp32 sum of each group's x (4-bit weights' zero term) */
-    int64_t k;
-} Acts8;
-
-typedef struct { /* packed weights: [n / 16][k / 4][16][4] int8 (see the header comment) */
-    const int8_t *q;
-    const float *scale;      /* wg 0: fp32 [n rounded up to 16] */
-    const uint16_t *half;    /* wg > 0: fp16 [n / 16][k / wg][16], a block's 16 rows together (int4: d) */
-    const uint16_t *minimum; /* 4-bit weights only (wg 32): fp16 like half, w = d * q + minimum */
-    int64_t k;
-    int wg; /* inputs per weight scale: 0 (the whole row), 16 or 32 */
-} W8;
-
-/* The 16 fp16 values of weight block b's group h in `base` (half or minimum, wg > 0). */
-static inline const uint16_t *group_of(const uint16_t *base, const W8 *w, int64_t b, int64_t h) {
-    return base + (b * (w->k / w->wg) + h) * 16;
-}
 
 /* IEEE half -> float, for the scalar path (the SIMD paths convert 8 or 16 at once). */
 static inline float h2f(uint16_t h) {
@@ -93,20 +68,7 @@ static inline float h2f(uint16_t h) {
     return f;
 }
 
-/* The 64 bytes of weight block b's chunk c (output row 16 b + l at bytes 4 l .. 4 l + 3). */
-static inline const int8_t *chunk(const W8 *w, int64_t b, int64_t c) {
-    return w->q + (b * (w->k / 4) + c) * 64;
-}
-
 /* ------------------------------------------------------------------ scalar path */
-
-typedef void (*TileFn)(const W8 *, int64_t, const Acts8 *, int64_t, int, void *, int, int64_t);
-
-/* The 64 bytes of 4-bit weight block b's chunk c: inputs 8c .. 8c + 7 of its 16 rows, byte 4 l + i
-   holding input 8c + i of row 16 b + l in its low nibble and input 8c + 4 + i in its high one. */
-static inline const uint8_t *chunk4(const W8 *w, int64_t b, int64_t c) {
-    return (const uint8_t *)w->q + (b * (w->k / 8) + c) * 64;
-}
 
 /* 4-bit weights, scalar: per group, s * d * (dot - 8 * sum a) + z * (exact sum of x). */
 static void tile4_scalar(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
@@ -475,15 +437,8 @@ static TileFn tile_fn(int isa, int four, int wg) {
 
 /* ------------------------------------------------------------------ entry point */
 
-/* Quantizes x's rows, then runs weight blocks x tiles of RT activation rows; the error codes of the
-   entry points. */
-static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n, void *y, int y_dtype,
-               int isa, int threads) {
-    const int64_t k = w->k;
-    TileFn tile = tile_fn(isa, w->minimum != NULL, w->wg);
-    if (tile == NULL) return -1;
-    if (k % GROUP) return -2;
-    if (w->wg != 0 && w->wg != 16 && w->wg != 32) return -4;
+/* x's rows quantized for the tiles; release with confkv_q8_release. */
+int confkv_q8_quantize(const void *x, int x_dtype, int64_t rows, int64_t k, int threads, Quantized *out) {
     const int64_t groups = k / GROUP;
     int8_t *aq = malloc((size_t)(rows * k));
     /* per row: s, flip32 and xsum per group of 32, flip16 per 16, off */
@@ -493,15 +448,41 @@ static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n,
     float *off = flip16 + 2 * rows * groups;
     confkv_quantize_rows(x, x_dtype, rows, k, aq, s, off, flip16, flip32, xsum, threads);
     const Acts8 a = {aq, s, off, flip16, flip32, xsum, k};
+    out->a = a;
+    out->q = aq;
+    out->f = s;
+    return 0;
+}
+
+void confkv_q8_release(Quantized *qa) {
+    free(qa->q);
+    free(qa->f);
+}
+
+/* The checks every entry point makes, then the tile function of the path asked for; NULL with *rc
+   set to the entry points' error code. */
+TileFn confkv_q8_tile(const W8 *w, int isa, int *rc) {
+    TileFn tile = tile_fn(isa, w->minimum != NULL, w->wg);
+    *rc = tile == NULL ? -1 : w->k % GROUP ? -2 : (w->wg != 0 && w->wg != 16 && w->wg != 32) ? -4 : 0;
+    return *rc ? NULL : tile;
+}
+
+/* Quantizes x's rows, then runs weight blocks x tiles of RT activation rows; the error codes of the
+   entry points. */
+static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n, void *y, int y_dtype,
+               int isa, int threads) {
+    int rc;
+    TileFn tile = confkv_q8_tile(w, isa, &rc);
+    Quantized qa;
+    if (tile == NULL || (rc = confkv_q8_quantize(x, x_dtype, rows, w->k, threads, &qa)) != 0) return rc;
     const int64_t blocks = (n + 15) / 16;
     /* Each thread owns a range of weight blocks (each weight read from memory once); inside a
        block the activation rows go in tiles of RT, the block's weights staying in L1. */
     #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t r0 = 0; r0 < rows; r0 += RT)
-            tile(w, b, &a, r0, rows - r0 < RT ? (int)(rows - r0) : RT, y, y_dtype, n);
-    free(aq);
-    free(s);
+            tile(w, b, &qa.a, r0, rows - r0 < RT ? (int)(rows - r0) : RT, y, y_dtype, n);
+    confkv_q8_release(&qa);
     return 0;
 }
 

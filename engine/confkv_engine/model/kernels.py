@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 ROW_GRID = (1, 4, 16, 64, 256)  # rows timed; a step with r rows uses the nearest bucket at or above
 KernelFn = Callable[[Tensor], Tensor]
+ArgmaxFn = Callable[[Tensor], Tensor]  # x [rows, K] -> [rows] int64: the index of each row's largest output
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,26 @@ def native_isa(info: CpuInfo | None = None) -> str | None:
 def q4n_kernel(weight: Int4Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
     """The native 4-bit kernel: the int8 kernel's 16-row blocks with the weights' nibbles
     (``q8native.pack_int4``)."""
-    isa = native_isa()
-    if isa is None:
-        raise RuntimeError("the native int4 kernel is not available on this machine")
-    return _with_bias(q8native.bound(q8native.pack_int4(weight), isa, dtype), bias, dtype)
+    return native_kernels("q4n", weight, bias, dtype)[0]
+
+
+def native_kernels(name: str, weight: Int4Weight | Int8Weight | Int8GroupWeight, bias: Tensor | None,
+                   dtype: torch.dtype) -> tuple[KernelFn, ArgmaxFn | None]:
+    """``q4n`` / ``q8n``'s matmul and, over the same packed weights, its fused greedy argmax
+    (``q8native.bound_argmax``; None with a bias, which the argmax does not add)."""
+    if name == "q4n":
+        isa = native_isa()
+        if isa is None:
+            raise RuntimeError("the native int4 kernel is not available on this machine")
+        packed: q8native.PackedInt8 | q8native.PackedInt4Blocks = q8native.pack_int4(weight)  # type: ignore[arg-type]
+    else:
+        isa = native_int8_isa()
+        if isa is None:
+            raise RuntimeError("the native int8 kernel is not available on this machine")
+        # Groups of 16 (Q6_K) round their scales to fp16 (``q8native.pack`` says by how much).
+        packed = q8native.pack(weight, round_scales=getattr(weight, "group", 0) == 16)  # type: ignore[arg-type]
+    argmax = q8native.bound_argmax(packed, isa, dtype) if bias is None else None
+    return _with_bias(q8native.bound(packed, isa, dtype), bias, dtype), argmax
 
 
 def _with_bias(fn: KernelFn, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
@@ -156,12 +173,7 @@ def native_int8_isa(info: CpuInfo | None = None) -> str | None:
 
 
 def q8n_kernel(weight: Int8Weight | Int8GroupWeight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:
-    isa = native_int8_isa()
-    if isa is None:
-        raise RuntimeError("the native int8 kernel is not available on this machine")
-    # Groups of 16 (Q6_K) round their scales to fp16 (``q8native.pack`` says by how much).
-    packed = q8native.pack(weight, round_scales=getattr(weight, "group", 0) == 16)
-    return _with_bias(q8native.bound(packed, isa, dtype), bias, dtype)
+    return native_kernels("q8n", weight, bias, dtype)[0]
 
 
 def int8_kernel(weight: Int8Weight, bias: Tensor | None, dtype: torch.dtype) -> KernelFn:

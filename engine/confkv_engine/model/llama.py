@@ -357,6 +357,17 @@ class LlamaForCausalLM(nn.Module):
         return torch.tanh(logits / cap) * cap
 
 
+    def greedy_tokens(self, hidden: Tensor) -> Tensor | None:
+        """hidden [N, H] -> each row's argmax of ``compute_logits(hidden, fp32=False)`` [N], without
+        the logits, where the head's kernel fuses it (the native int8 / int4 ones: at one row the
+        262,144 x 640 head's logits and their scan were a third of its time); None elsewhere. A
+        soft-capped head keeps the logits: saturated caps can tie where the raw logits do not."""
+        argmax = getattr(self.lm_head, "argmax", None)  # a QuantLinear's; nn.Linear has none
+        if self.args.final_logit_softcap is not None or argmax is None:
+            return None
+        return argmax(hidden)
+
+
 class DenseAttention:
     """Reference backend for one sequence: keeps every k/v densely and attends causally.
 

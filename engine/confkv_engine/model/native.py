@@ -1,5 +1,6 @@
-"""The project's native CPU library (``_native``: ``_q8matmul.c``, the int8 / int4 block matmuls,
-and ``_rowops.c``, the layers' row-wise blocks), found and loaded with ctypes when it was built.
+"""The project's native CPU library (``_native``: ``_q8matmul.c``, the int8 / int4 block matmuls, with
+``_q8argmax.c``, their fused greedy argmax, and ``_rowops.c``, the layers' row-wise blocks), found and
+loaded with ctypes when it was built.
 
 ``pip install`` builds it next to this module (``setup.py``: an optional extension; without a C
 compiler the install goes on, the library is absent and PyTorch's kernels serve). Nothing is

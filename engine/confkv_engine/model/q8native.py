@@ -55,6 +55,11 @@ def _library() -> ctypes.CDLL | None:
                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                     ctypes.c_int, ctypes.c_int]
     lib.confkv_q8_supported.restype = ctypes.c_int
+    if hasattr(lib, "confkv_q8_argmax"):  # the same arguments with idx, val in place of y, y_dtype
+        for name, entry in (("confkv_q8_argmax", fn), ("confkv_q4i_argmax", fn4)):
+            head, tail = entry.argtypes[:-4], entry.argtypes[-2:]
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [*head, ctypes.c_void_p, ctypes.c_void_p, *tail]
     if hasattr(lib, "confkv_quantize_rows"):
         lib.confkv_quantize_rows.restype = None
         head = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -204,12 +209,14 @@ def quantized_activations(x: Tensor, threads: int | None = None) -> dict[str, Te
     return out
 
 
-def _entry(lib: ctypes.CDLL, w: PackedInt8 | PackedInt4Blocks) -> tuple[Any, tuple[int, ...]]:
-    """The library function for ``w``'s format and its weight arguments (between k and y)."""
+def _entry(lib: ctypes.CDLL, w: PackedInt8 | PackedInt4Blocks,
+           op: str = "matmul") -> tuple[Any, tuple[int, ...]]:
+    """The library function for ``w``'s format (``op``: matmul or argmax) and its weight arguments
+    (between k and the outputs)."""
     n = w.shape[0]
     if isinstance(w, PackedInt4Blocks):
-        return lib.confkv_q4i_matmul, (w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), n)
-    return lib.confkv_q8_matmul, (w.q.data_ptr(), w.scale.data_ptr(), w.group, n)
+        return getattr(lib, f"confkv_q4i_{op}"), (w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), n)
+    return getattr(lib, f"confkv_q8_{op}"), (w.q.data_ptr(), w.scale.data_ptr(), w.group, n)
 
 
 def bound(w: PackedInt8 | PackedInt4Blocks, isa: str, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
@@ -234,4 +241,31 @@ def bound(w: PackedInt8 | PackedInt4Blocks, isa: str, dtype: torch.dtype) -> Cal
         if rows and fn(x.data_ptr(), code, rows, k, *middle, y.data_ptr(), code, isa_code, threads()):
             return matmul(x, w, isa)  # raises with the library's reason
         return y
+    return run  # (the closure holds ``w``, so the pointers above stay valid)
+
+
+def bound_argmax(w: PackedInt8 | PackedInt4Blocks, isa: str,
+                 dtype: torch.dtype) -> Callable[[Tensor], Tensor] | None:
+    """``lambda x: bound(w, isa, dtype)(x).max(dim=-1).indices`` without the ``[rows, N]`` outputs:
+    the library scans each chunk of outputs while it is in cache (``confkv_q8_argmax``), so a greedy
+    step over a large vocabulary neither writes nor re-reads its logits. The same indices, ties and
+    NaN included (the test compares them). None where the library predates it."""
+    lib = _library()
+    if lib is None or not hasattr(lib, "confkv_q8_argmax"):
+        return None
+    k = w.shape[1]
+    code, isa_code = _DTYPES[dtype], ISAS[isa]
+    fn, middle = _entry(lib, w, "argmax")
+    threads = torch.get_num_threads
+
+    def run(x: Tensor) -> Tensor:
+        x = x.to(dtype).contiguous()
+        if x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
+            raise ValueError(f"native argmax: x {tuple(x.shape)} on {x.device} is not [rows, {k}] on cpu")
+        rows = x.shape[0]
+        idx, val = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+        if rows and (rc := fn(x.data_ptr(), code, rows, k, *middle, idx.data_ptr(), val.data_ptr(), isa_code,
+                              threads())):
+            raise RuntimeError(f"native argmax ({isa}): {_ERRORS.get(rc, rc)}")
+        return idx
     return run  # (the closure holds ``w``, so the pointers above stay valid)

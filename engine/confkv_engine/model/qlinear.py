@@ -33,10 +33,12 @@ class QuantLinear(nn.Module):
     """y = x W^T (+ b) for x ``[rows, in_features]`` with W held quantized; kernel chosen per call."""
 
     def __init__(self, in_features: int, out_features: int, kind: str,
-                 fns: Mapping[str, kernels.KernelFn], plan: list[tuple[int, str]]) -> None:
+                 fns: Mapping[str, kernels.KernelFn], plan: list[tuple[int, str]],
+                 argmax: Mapping[str, kernels.ArgmaxFn] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.kind = in_features, out_features, kind
         self._fns = dict(fns)
+        self._argmax = dict(argmax or {})  # kernels that fuse a greedy argmax (the native ones)
         self._plan = Planned([r for r, _ in plan], [n for _, n in plan])
 
     def kernel_for(self, rows: int) -> str:
@@ -49,6 +51,12 @@ class QuantLinear(nn.Module):
         rows = x.numel() // self.in_features
         y = self._fns[self.kernel_for(rows)](x.reshape(rows, self.in_features))
         return y.view(*x.shape[:-1], self.out_features)
+
+    def argmax(self, x: Tensor) -> Tensor | None:
+        """x ``[rows, in_features]`` -> the index of each row's largest output ``[rows]`` (int64),
+        without the outputs, where this row count's kernel fuses it; None where it does not."""
+        fn = self._argmax.get(self.kernel_for(x.shape[0]))
+        return None if fn is None else fn(x)
 
     def extra_repr(self) -> str:
         plan = ", ".join(f"<={r}:{n}" for r, n in zip(self._plan.max_rows, self._plan.names, strict=True))
@@ -68,15 +76,23 @@ def build_quant_linear(weight: QuantWeight, bias: Tensor | None, dtype: torch.dt
     kind = _kind(weight)
     n, k = weight.q.shape
     plan = table.plan(kind, n, k)
+    argmax: dict[str, kernels.ArgmaxFn] = {}
+
+    def native(name: str) -> kernels.KernelFn:
+        fn, fused = kernels.native_kernels(name, weight, bias, dtype)
+        if fused is not None:
+            argmax[name] = fused
+        return fn
+
     makers: dict[str, Callable[[], kernels.KernelFn]] = {
         "dense": lambda: kernels.dense_kernel(weight.dequantize() if dense is None else dense, bias, dtype),
         "int4": lambda: kernels.int4_kernel(weight, bias, dtype),  # type: ignore[arg-type]
-        "q4n": lambda: kernels.q4n_kernel(weight, bias, dtype),  # type: ignore[arg-type]
+        "q4n": lambda: native("q4n"),
         "int8": lambda: kernels.int8_kernel(weight, bias, dtype),  # type: ignore[arg-type]
-        "q8n": lambda: kernels.q8n_kernel(weight, bias, dtype),  # type: ignore[arg-type]
+        "q8n": lambda: native("q8n"),
     }
     fns = {name: makers[name]() for name in {name for _, name in plan}}
-    return QuantLinear(k, n, kind, fns, plan)
+    return QuantLinear(k, n, kind, fns, plan, argmax)
 
 
 # Linears that read the same input, served as one matmul (fewer kernel calls per layer): fused
