@@ -157,8 +157,12 @@ def test_derived_plan_for_group_weights(native8: bool, expected: str) -> None:
     vnni = kernels.CpuInfo("AVX512", frozenset({"avx2", "fma", "avx512vl", "avx512_vnni"}), "vnni")
     plan = [kernels.derived_choice("int8g", r, vnni, native8=native8) for r in kernels.ROW_GRID]
     assert plan == [expected] * 5
-    # Groups of 16 (Q6_K): q8n up to INT8G16_MAX_ROWS (4: the grid's first two buckets), then dense.
+    # Groups of 16 (Q6_K): q8n up to INT8G16_MAX_ROWS_FP32 (64: four buckets) against fp32 GEMM, up
+    # to INT8G16_MAX_ROWS (4: two buckets) where bf16 is native, then dense.
     plan16 = [kernels.derived_choice("int8g16", r, vnni, native8=native8) for r in kernels.ROW_GRID]
+    assert plan16 == ([expected] * 4 + ["dense"] if native8 else ["dense"] * 5)
+    bf16 = kernels.CpuInfo("AVX512", vnni.flags | {"avx512_bf16"}, "vnni")
+    plan16 = [kernels.derived_choice("int8g16", r, bf16, native8=native8) for r in kernels.ROW_GRID]
     assert plan16 == ([expected] * 2 + ["dense"] * 3 if native8 else ["dense"] * 5)
 
 

@@ -198,6 +198,13 @@ CANDIDATES = {"int4": ("q4n", "int4", "dense"), "int8": ("q8n", "int8", "dense")
 # 0.052 / 0.090 / 0.133 / 0.250 ms at 1 / 2 / 4 / 8 / 16 rows against bf16 GEMM's 0.088 / 0.083 /
 # 0.105 / 0.113 / 0.163. The dense copy is kept beside the codes (Gemma 3: +12 MB).
 INT8G16_MAX_ROWS = 4
+# Without native bf16 the dense alternative is fp32 GEMM, and q8n beats it further: Gemma 3's
+# 640 x 2,048 Q6_K layer, 2 threads, fp32 activations, best of 15 interleaved rounds, AVX2-only AMD
+# EPYC (scratch loop over ``kernels.q8n_kernel`` / ``dense_kernel``): 0.048 / 0.142 / 0.257 / 0.688 /
+# 1.001 / 2.004 / 5.668 / 11.435 ms at 1 / 8 / 16 / 32 / 64 / 128 / 256 / 512 rows against 0.121 /
+# 0.603 / 0.620 / 1.249 / 1.679 / 3.617 / 5.773 / 10.475. So q8n serves up to the 64-row bucket
+# there; the last bucket (65-256 rows and every longer step: prefill chunks) keeps the dense copy.
+INT8G16_MAX_ROWS_FP32 = 64
 
 
 def candidates(kind: str) -> tuple[str, ...]:
@@ -224,8 +231,9 @@ def derived_choice(kind: str, rows: int, info: CpuInfo, native: bool | None = No
     with bf16 activations beat bf16 GEMM up to 4 rows and it wins from 16 (int4: 0.70 vs 0.89 ms)."""
     if kind == "dense":
         return "dense"
-    if kind == "int8g16":  # q8n while it wins, then the layer's dense copy (INT8G16_MAX_ROWS)
-        return "q8n" if rows <= INT8G16_MAX_ROWS and _q8n_everywhere(info, native8) else "dense"
+    if kind == "int8g16":  # q8n while it wins, then the layer's dense copy (INT8G16_MAX_ROWS*)
+        limit = INT8G16_MAX_ROWS if info.native_bf16 else INT8G16_MAX_ROWS_FP32
+        return "q8n" if rows <= limit and _q8n_everywhere(info, native8) else "dense"
     if kind in ("int8", "int8g") and _q8n_everywhere(info, native8):
         return "q8n"
     if kind == "int8g":  # only q8n reads group scales (the loader makes them only where it runs)
