@@ -356,7 +356,6 @@ class LlamaForCausalLM(nn.Module):
         logits = logits.float()
         return torch.tanh(logits / cap) * cap
 
-
     def greedy_tokens(self, hidden: Tensor) -> Tensor | None:
         """hidden [N, H] -> each row's argmax of ``compute_logits(hidden, fp32=False)`` [N], without
         the logits, where the head's kernel fuses it (the native int8 / int4 ones: at one row the
