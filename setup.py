@@ -29,12 +29,13 @@ setup(ext_modules=[
     # No -march: the AVX2 and AVX-512 VNNI paths carry their own target options and are chosen at
     # run time, so one build runs on any x86-64 CPU (and the scalar path anywhere else). The library
     # holds the int8- and int4-weight matmuls (_q8matmul.c, their fused greedy argmax: _q8argmax.c,
-    # their activations: _qacts.c) and the layers' row-wise blocks (_rowops.c: RMSNorm, RoPE, gated
-    # activation).
+    # their AVX2 tiles: _q8avx2.c, their activations: _qacts.c) and the layers'
+    # row-wise blocks (_rowops.c: RMSNorm, RoPE, gated activation).
     Extension(
         "confkv_engine.model._native",
         sources=["engine/confkv_engine/model/_q8matmul.c", "engine/confkv_engine/model/_q8argmax.c",
-                 "engine/confkv_engine/model/_qacts.c", "engine/confkv_engine/model/_rowops.c"],
+                 "engine/confkv_engine/model/_q8avx2.c", "engine/confkv_engine/model/_qacts.c",
+                 "engine/confkv_engine/model/_rowops.c"],
         depends=["engine/confkv_engine/model/_qcommon.h", "engine/confkv_engine/model/_q8tile.h"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,

@@ -30,7 +30,8 @@ def expected(x: torch.Tensor) -> dict[str, torch.Tensor]:
     total = (scale.double() * halves.sum(-1).double()).sum(-1)
     return {"q": q.to(torch.int8).view(rows, k), "s": scale,
             "flip16": (128 * scale[..., None] * halves).view(rows, -1),
-            "flip32": 128 * scale * halves.sum(-1), "xsum": xg.sum(-1), "off": (128 * total).float()}
+            "flip32": 128 * scale * halves.sum(-1), "xsum": xg.sum(-1), "off": (128 * total).float(),
+            "isum": halves.sum(-1).to(torch.int32)}
 
 
 def activations(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -54,6 +55,7 @@ def test_codes_scales_and_flips_are_exact(rows: int, k: int, dtype: torch.dtype)
     assert torch.equal(got["s"], want["s"])
     assert torch.equal(got["flip16"], want["flip16"])
     assert torch.equal(got["flip32"], want["flip32"])
+    assert torch.equal(got["isum"], want["isum"])
     torch.testing.assert_close(got["xsum"], want["xsum"], rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(got["off"], want["off"], rtol=1e-6, atol=1e-5)
     assert got["q"][rows // 2, 32:64].tolist()[1:4] == [-14, -14, -12]  # -14.5, -13.5, -12.5: ties to even

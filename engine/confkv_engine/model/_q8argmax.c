@@ -162,9 +162,10 @@ static int run_argmax(const W8 *w, const void *x, int x_dtype, int64_t rows, int
    first index on ties, a NaN counting as the largest (torch.max's semantics); val [rows] the value
    there. Same arguments and error codes as confkv_q8_matmul. */
 int confkv_q8_argmax(const void *x, int x_dtype, int64_t rows, int64_t k, const int8_t *wq,
-                     const void *wscale, int wgroup, int64_t n, int64_t *idx, float *val, int isa,
-                     int threads) {
-    const W8 w = {wq, wgroup ? NULL : wscale, wgroup ? wscale : NULL, NULL, k, wgroup};
+                     const void *wscale, int wgroup, const uint8_t *narrow, int64_t n, int64_t *idx,
+                     float *val, int isa, int threads) {
+    const W8 w = {.q = wq, .scale = wgroup ? NULL : wscale, .half = wgroup ? wscale : NULL,
+                  .narrow = wgroup == GROUP ? narrow : NULL, .k = k, .wg = wgroup};
     return run_argmax(&w, x, x_dtype, rows, n, idx, val, isa, threads);
 }
 
@@ -172,6 +173,6 @@ int confkv_q8_argmax(const void *x, int x_dtype, int64_t rows, int64_t k, const 
 int confkv_q4i_argmax(const void *x, int x_dtype, int64_t rows, int64_t k, const uint8_t *wq,
                       const uint16_t *wd, const uint16_t *wmin, int64_t n, int64_t *idx, float *val,
                       int isa, int threads) {
-    const W8 w = {(const int8_t *)wq, NULL, wd, wmin, k, GROUP};
+    const W8 w = {.q = (const int8_t *)wq, .half = wd, .minimum = wmin, .k = k, .wg = GROUP};
     return run_argmax(&w, x, x_dtype, rows, n, idx, val, isa, threads);
 }

@@ -39,11 +39,12 @@
    the end. With per-group weight scales it is not: each group's int32 dot loses 128 * sum_j a_j
    (``flip16`` / ``flip32``, precomputed with the scale: one fused multiply-subtract per group). AVX2's maddubs
    saturates its int16 pairs, so that path uses the sign trick for int8: maddubs(|a|, sign(q, a)),
-   at most 2 * 127 * 127 < 32767 (int4 needs none: 2 * 15 * 127).
+   at most 2 * 127 * 127 < 32767 (int4 needs none: 2 * 15 * 127; nor do blocks of Q5_0's narrow
+   codes, which _q8avx2.c offsets by 16).
 
    Paths, chosen by the caller (kernels.py reads the CPU flags) and re-checked here: AVX-512 VNNI
-   (a block by up to RT activation rows: each weight chunk loaded once per tile), AVX2+FMA (4 rows
-   at a time, 16 registers) and portable scalar C. Threads: OpenMP over the blocks of output rows,
+   (a block by up to RT activation rows: each weight chunk loaded once per tile), AVX2+FMA
+   (_q8avx2.c: 4 rows at a time, 16 registers) and portable scalar C. Threads: OpenMP over the blocks of output rows,
    as many as the caller passes. Plain C with a C ABI, loaded by ctypes (q8native.py). */
 
 #include <stdint.h>
@@ -53,7 +54,6 @@
 
 #include "_q8tile.h"
 
-#define AVX2_ROWS 4 /* of which the AVX2 path takes at a time (16 registers) */
 
 /* IEEE half -> float, for the scalar path (the SIMD paths convert 8 or 16 at once). */
 static inline float h2f(uint16_t h) {
@@ -125,161 +125,6 @@ static void tile_scalar(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int 
 #define HAVE_X86 1
 #include <immintrin.h>
 
-static inline int32_t load4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-/* One block (16 outputs, two registers of 8) by `rows` activation rows, `wg` as W8's (both
-   constants once inlined). Sign trick: maddubs(|a|, sign(w, a)) pairs stay within int16
-   (2 * 127 * 127), so there is no unsigned flip to take out. */
-static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t b, const Acts8 *a,
-                                                            int64_t r0, const int rows, const int wg,
-                                                            __m256 out[2][RT]) {
-    const int64_t k = w->k, groups = k / GROUP;
-    const int parts = wg == 16 ? 2 : 1, span = 8 / parts;
-    const __m256i ones = _mm256_set1_epi16(1);
-    _Pragma("GCC unroll 8")
-    for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++)
-        for (int h = 0; h < parts; h++) {
-            __m256i dot[2][RT];
-            _Pragma("GCC unroll 8")
-            for (int r = 0; r < rows; r++) dot[0][r] = dot[1][r] = _mm256_setzero_si256();
-            for (int64_t c = g * 8 + h * span; c < g * 8 + (h + 1) * span; c++) {
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)chunk(w, b, c));
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(chunk(w, b, c) + 32));
-                _Pragma("GCC unroll 8")
-                for (int r = 0; r < rows; r++) {
-                    const __m256i av = _mm256_set1_epi32(load4(a->q + (r0 + r) * k + c * 4));
-                    const __m256i aabs = _mm256_abs_epi8(av);
-                    const __m256i p0 = _mm256_maddubs_epi16(aabs, _mm256_sign_epi8(w0, av));
-                    const __m256i p1 = _mm256_maddubs_epi16(aabs, _mm256_sign_epi8(w1, av));
-                    dot[0][r] = _mm256_add_epi32(dot[0][r], _mm256_madd_epi16(p0, ones));
-                    dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(p1, ones));
-                }
-            }
-            __m256 ws0 = _mm256_set1_ps(1.f), ws1 = ws0;
-            if (wg) {
-                const uint16_t *ws = group_of(w->half, w, b, g * parts + h);
-                ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)ws));
-                ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + 8)));
-            }
-            _Pragma("GCC unroll 8")
-            for (int r = 0; r < rows; r++) {
-                const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
-                out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), wg ? _mm256_mul_ps(ws0, s) : s, out[0][r]);
-                out[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][r]), wg ? _mm256_mul_ps(ws1, s) : s, out[1][r]);
-            }
-        }
-}
-
-#define AVX2_ROWS_CASES(WG)                                                       \
-    switch (count) {                                                              \
-    case 1: avx2_body(w, b, a, r0 + r1, 1, WG, out); break;                       \
-    case 2: avx2_body(w, b, a, r0 + r1, 2, WG, out); break;                       \
-    case 3: avx2_body(w, b, a, r0 + r1, 3, WG, out); break;                       \
-    default: avx2_body(w, b, a, r0 + r1, AVX2_ROWS, WG, out); break;              \
-    }
-
-static void tile_avx2(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
-                      int y_dtype, int64_t n) {
-    __m256 out[2][RT];
-    for (int r1 = 0; r1 < rows; r1 += AVX2_ROWS) { /* 16 ymm registers: 4 rows at a time */
-        const int count = rows - r1 < AVX2_ROWS ? rows - r1 : AVX2_ROWS;
-        if (w->wg == 0) AVX2_ROWS_CASES(0) else if (w->wg == 16) AVX2_ROWS_CASES(16) else AVX2_ROWS_CASES(32)
-        for (int r = 0; r < count; r++) {
-            float v[16];
-            if (w->wg == 0) {
-                out[0][r] = _mm256_mul_ps(out[0][r], _mm256_loadu_ps(w->scale + b * 16));
-                out[1][r] = _mm256_mul_ps(out[1][r], _mm256_loadu_ps(w->scale + b * 16 + 8));
-            }
-            _mm256_storeu_ps(v, out[0][r]);
-            _mm256_storeu_ps(v + 8, out[1][r]);
-            for (int l = 0; l < 16 && b * 16 + l < n; l++)
-                store_y(y, y_dtype, (r0 + r1 + r) * n + b * 16 + l, v[l]);
-        }
-    }
-}
-/* 4-bit weights: the nibbles are unsigned (0..15), so maddubs(w, a) needs no sign trick (a pair is at
-   most 2 * 15 * 127; the low and high nibbles' pairs are added in int16, at most 7,620). A group's
-   four chunks add up in int16 as well (at most 30,480 < 32,767: exact), so each row widens to int32
-   once per group, not once per chunk (the widening madd and its add go from the inner loop; 0.91 to
-   1.01x the time on SmolLM2's shapes at 1-512 rows, outputs bit-identical). */
-static inline __attribute__((always_inline)) void avx2_body4(const W8 *w, int64_t b, const Acts8 *a,
-                                                             int64_t r0, const int rows, __m256 out[2][RT]) {
-    const int64_t k = w->k, groups = k / GROUP;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-    _Pragma("GCC unroll 8")
-    for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256i dot[2][RT]; /* int16 pair sums of the group's 32 inputs */
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < rows; r++) dot[0][r] = dot[1][r] = _mm256_setzero_si256();
-        for (int64_t c = g * 4; c < g * 4 + 4; c++) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)chunk4(w, b, c));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(chunk4(w, b, c) + 32));
-            const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-            const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-            _Pragma("GCC unroll 8")
-            for (int r = 0; r < rows; r++) {
-                const int8_t *ap = a->q + (r0 + r) * k + c * 8;
-                const __m256i alo = _mm256_set1_epi32(load4(ap)), ahi = _mm256_set1_epi32(load4(ap + 4));
-                const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, alo), _mm256_maddubs_epi16(hi0, ahi));
-                const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, alo), _mm256_maddubs_epi16(hi1, ahi));
-                dot[0][r] = _mm256_add_epi16(dot[0][r], p0);
-                dot[1][r] = _mm256_add_epi16(dot[1][r], p1);
-            }
-        }
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < rows; r++) {
-            dot[0][r] = _mm256_madd_epi16(dot[0][r], ones);
-            dot[1][r] = _mm256_madd_epi16(dot[1][r], ones);
-        }
-        const uint16_t *dh = group_of(w->half, w, b, g), *mh = group_of(w->minimum, w, b, g);
-        const __m256 eight = _mm256_set1_ps(8.f);
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 8)));
-        const __m256 z0 = _mm256_fmadd_ps(eight, d0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh)));
-        const __m256 z1 = _mm256_fmadd_ps(eight, d1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + 8))));
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < rows; r++) {
-            const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
-            const __m256 c8 = _mm256_set1_ps(a->flip32[(r0 + r) * groups + g] * 0.0625f);
-            const __m256 xs = _mm256_set1_ps(a->xsum[(r0 + r) * groups + g]);
-            const __m256 i0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot[0][r]), s, c8);
-            const __m256 i1 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot[1][r]), s, c8);
-            out[0][r] = _mm256_fmadd_ps(z0, xs, _mm256_fmadd_ps(d0, i0, out[0][r]));
-            out[1][r] = _mm256_fmadd_ps(z1, xs, _mm256_fmadd_ps(d1, i1, out[1][r]));
-        }
-    }
-}
-
-static void tile4_avx2(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
-                       int y_dtype, int64_t n) {
-    __m256 out[2][RT];
-    for (int r1 = 0; r1 < rows; r1 += AVX2_ROWS) {
-        const int count = rows - r1 < AVX2_ROWS ? rows - r1 : AVX2_ROWS;
-        switch (count) {
-        case 1: avx2_body4(w, b, a, r0 + r1, 1, out); break;
-        case 2: avx2_body4(w, b, a, r0 + r1, 2, out); break;
-        case 3: avx2_body4(w, b, a, r0 + r1, 3, out); break;
-        default: avx2_body4(w, b, a, r0 + r1, AVX2_ROWS, out); break;
-        }
-        for (int r = 0; r < count; r++) {
-            float v[16];
-            _mm256_storeu_ps(v, out[0][r]);
-            _mm256_storeu_ps(v + 8, out[1][r]);
-            for (int l = 0; l < 16 && b * 16 + l < n; l++)
-                store_y(y, y_dtype, (r0 + r1 + r) * n + b * 16 + l, v[l]);
-        }
-    }
-}
-
-#pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
@@ -429,7 +274,7 @@ static TileFn tile_fn(int isa, int four, int wg) {
         return four ? tile4_vnni : wg == 0 ? tile_vnni_rows : wg == 16 ? tile_vnni_g16 : tile_vnni_g32;
     if (isa == ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
         && __builtin_cpu_supports("f16c"))
-        return four ? tile4_avx2 : tile_avx2;
+        return four ? confkv_q8_tile4_avx2 : confkv_q8_tile_avx2;
 #endif
     if (isa != ISA_SCALAR) return NULL;
     return four ? tile4_scalar : tile_scalar;
@@ -441,13 +286,15 @@ static TileFn tile_fn(int isa, int four, int wg) {
 int confkv_q8_quantize(const void *x, int x_dtype, int64_t rows, int64_t k, int threads, Quantized *out) {
     const int64_t groups = k / GROUP;
     int8_t *aq = malloc((size_t)(rows * k));
-    /* per row: s, flip32 and xsum per group of 32, flip16 per 16, off */
-    float *s = malloc(sizeof(float) * (size_t)(5 * rows * groups + rows));
+    /* per row: s, flip32, xsum and isum (int32, the same size) per group of 32, flip16 per 16, off */
+    float *s = malloc(sizeof(float) * (size_t)(6 * rows * groups + rows));
     if (aq == NULL || s == NULL) { free(aq); free(s); return -3; }
     float *flip32 = s + rows * groups, *xsum = flip32 + rows * groups, *flip16 = xsum + rows * groups;
     float *off = flip16 + 2 * rows * groups;
-    confkv_quantize_rows(x, x_dtype, rows, k, aq, s, off, flip16, flip32, xsum, threads);
-    const Acts8 a = {aq, s, off, flip16, flip32, xsum, k};
+    int32_t *isum = (int32_t *)(off + rows);
+    confkv_quantize_rows(x, x_dtype, rows, k, aq, s, off, flip16, flip32, xsum, isum, threads);
+    const Acts8 a = {.q = aq, .s = s, .off = off, .flip16 = flip16, .flip32 = flip32, .xsum = xsum,
+                     .isum = isum, .k = k};
     out->a = a;
     out->q = aq;
     out->f = s;
@@ -488,13 +335,15 @@ static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n,
 
 /* y [rows, n] (dtype y_dtype) = x [rows, k] (x_dtype) times the weights' transpose, the weights
    wq scaled by wscale per row (wgroup 0: fp32) or per row and group of wgroup (16 or 32) inputs
-   (fp16, as group_of lays them out).
+   (fp16, as group_of lays them out); narrow (optional, groups of 32 only): per block of 16 rows, 1
+   where all its codes lie in -16..15, which the AVX2 path reads without the sign trick (_q8avx2.c).
    Returns 0, or -1 when the CPU lacks the ISA asked for, -2 when k is not a multiple of 32,
    -3 when scratch memory cannot be had, -4 for another wgroup. */
 int confkv_q8_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const int8_t *wq,
-                     const void *wscale, int wgroup, int64_t n, void *y, int y_dtype, int isa,
-                     int threads) {
-    const W8 w = {wq, wgroup ? NULL : wscale, wgroup ? wscale : NULL, NULL, k, wgroup};
+                     const void *wscale, int wgroup, const uint8_t *narrow, int64_t n, void *y,
+                     int y_dtype, int isa, int threads) {
+    const W8 w = {.q = wq, .scale = wgroup ? NULL : wscale, .half = wgroup ? wscale : NULL,
+                  .narrow = wgroup == GROUP ? narrow : NULL, .k = k, .wg = wgroup};
     return run(&w, x, x_dtype, rows, n, y, y_dtype, isa, threads);
 }
 
@@ -503,7 +352,7 @@ int confkv_q8_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const 
 int confkv_q4i_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const uint8_t *wq,
                       const uint16_t *wd, const uint16_t *wmin, int64_t n, void *y, int y_dtype, int isa,
                       int threads) {
-    const W8 w = {(const int8_t *)wq, NULL, wd, wmin, k, GROUP};
+    const W8 w = {.q = (const int8_t *)wq, .half = wd, .minimum = wmin, .k = k, .wg = GROUP};
     return run(&w, x, x_dtype, rows, n, y, y_dtype, isa, threads);
 }
 

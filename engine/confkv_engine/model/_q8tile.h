@@ -6,6 +6,7 @@
 #define CONFKV_Q8TILE_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "_qcommon.h"
 
@@ -18,6 +19,7 @@ typedef struct {          /* quantized activations, rows x k */
     const float *flip16;  /* [rows, k / 16] 128 * s[g] * sum of each 16 codes (the flip's share of a dot) */
     const float *flip32;  /* [rows, k / 32] the same per group of 32 (int4: / 16 is 8 * s * sum a) */
     const float *xsum;    /* [rows, k / 32] exact fp32 sum of each group's x (4-bit weights' zero term) */
+    const int32_t *isum;  /* [rows, k / 32] sum of each group's codes (the narrow int8 blocks' offset) */
     int64_t k;
 } Acts8;
 
@@ -26,6 +28,7 @@ typedef struct { /* packed weights: [n / 16][k / 4][16][4] int8 (see the header 
     const float *scale;      /* wg 0: fp32 [n rounded up to 16] */
     const uint16_t *half;    /* wg > 0: fp16 [n / 16][k / wg][16], a block's 16 rows together (int4: d) */
     const uint16_t *minimum; /* 4-bit weights only (wg 32): fp16 like half, w = d * q + minimum */
+    const uint8_t *narrow;   /* wg 32, optional: [n / 16] 1 where all of block b's codes lie in -16..15 */
     int64_t k;
     int wg; /* inputs per weight scale: 0 (the whole row), 16 or 32 */
 } W8;
@@ -46,6 +49,13 @@ static inline const uint8_t *chunk4(const W8 *w, int64_t b, int64_t c) {
     return (const uint8_t *)w->q + (b * (w->k / 8) + c) * 64;
 }
 
+/* 4 bytes at p as one int32 (broadcast to the lanes by the SIMD tiles). */
+static inline int32_t load4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 typedef void (*TileFn)(const W8 *, int64_t, const Acts8 *, int64_t, int, void *, int, int64_t);
 
 typedef struct { /* x's rows quantized for the tiles: confkv_q8_quantize fills, confkv_q8_release frees */
@@ -59,5 +69,10 @@ void confkv_q8_release(Quantized *qa);
 /* The tile function of path `isa` for w's format after the entry points' checks; NULL with *rc set
    to their error code (-1 no such path here, -2 k not a multiple of 32, -4 another weight group). */
 TileFn confkv_q8_tile(const W8 *w, int isa, int *rc);
+/* The AVX2 + FMA tiles (_q8avx2.c): int8 weights (narrow blocks without the sign trick), 4-bit weights. */
+void confkv_q8_tile_avx2(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y, int y_dtype,
+                         int64_t n);
+void confkv_q8_tile4_avx2(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y, int y_dtype,
+                          int64_t n);
 
 #endif

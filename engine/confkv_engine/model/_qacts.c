@@ -4,6 +4,7 @@
    Per row and group g of 32 inputs x_j: s = max|x| / 127, a_j = round(x_j / s) (nearest, ties to
    even) in -127..127, and
      flip16[2g + h] = 128 s (sum of a over half h), flip32[g] = 128 s (sum of a over the group),
+     isum[g]        = the sum of a over the group itself (int32: the narrow int8 tiles' exact offset),
      xsum[g]        = the fp32 sum of the group's x (the 4-bit weights' zero term),
      off            = 128 sum_g s[g] (sum of a over group g), accumulated in double.
 
@@ -25,8 +26,9 @@
 /* Group g's scale and flips from the sums of its codes' two halves; returns its share of ``off``
    (before the factor 128). */
 static inline double group_numbers(int64_t g, float scale, int32_t h0, int32_t h1, float *s, float *flip16,
-                                   float *flip32) {
+                                   float *flip32, int32_t *isum) {
     s[g] = scale;
+    isum[g] = h0 + h1;
     flip16[2 * g] = 128.f * scale * (float)h0;
     flip16[2 * g + 1] = 128.f * scale * (float)h1;
     flip32[g] = 128.f * scale * (float)(h0 + h1);
@@ -35,7 +37,7 @@ static inline double group_numbers(int64_t g, float scale, int32_t h0, int32_t h
 
 /* One row, portable C. */
 static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_t *q, float *s,
-                         float *off, float *flip16, float *flip32, float *xsum) {
+                         float *off, float *flip16, float *flip32, float *xsum, int32_t *isum) {
     float buf[GROUP];
     double total = 0.0;
     for (int64_t g = 0; g < k / GROUP; g++) {
@@ -52,13 +54,13 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, int8_
             q[g * GROUP + j] = (int8_t)nearbyintf(buf[j] * inv);
             half[j / 16] += q[g * GROUP + j];
         }
-        total += group_numbers(g, scale, half[0], half[1], s, flip16, flip32);
+        total += group_numbers(g, scale, half[0], half[1], s, flip16, flip32, isum);
     }
     *off = (float)(128.0 * total);
 }
 
 typedef void (*RowFn)(const void *, int, int64_t, int64_t, int8_t *, float *, float *, float *, float *,
-                      float *);
+                      float *, int32_t *);
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -91,7 +93,7 @@ static inline int32_t hsum8i(__m256i v) {
 
 /* quantize_row, eight lanes at a time (the products and roundings are the same operations). */
 static void quantize_row_avx2(const void *x, int dtype, int64_t row, int64_t k, int8_t *q, float *s,
-                              float *off, float *flip16, float *flip32, float *xsum) {
+                              float *off, float *flip16, float *flip32, float *xsum, int32_t *isum) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane split */
     double total = 0.0;
@@ -112,7 +114,7 @@ static void quantize_row_avx2(const void *x, int dtype, int64_t row, int64_t k, 
         const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
         _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(packed, order));
         const int32_t h0 = hsum8i(_mm256_add_epi32(c[0], c[1])), h1 = hsum8i(_mm256_add_epi32(c[2], c[3]));
-        total += group_numbers(g, scale, h0, h1, s, flip16, flip32);
+        total += group_numbers(g, scale, h0, h1, s, flip16, flip32, isum);
     }
     *off = (float)(128.0 * total);
 }
@@ -137,11 +139,11 @@ static RowFn row_fn(void) {
 #define PARALLEL_MIN 8192
 
 void confkv_quantize_rows(const void *x, int dtype, int64_t rows, int64_t k, int8_t *q, float *s,
-                          float *off, float *flip16, float *flip32, float *xsum, int threads) {
+                          float *off, float *flip16, float *flip32, float *xsum, int32_t *isum, int threads) {
     const RowFn fn = row_fn();
     const int64_t groups = k / GROUP;
     #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (rows * k >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++)
         fn(x, dtype, r, k, q + r * k, s + r * groups, off + r, flip16 + 2 * r * groups, flip32 + r * groups,
-           xsum + r * groups);
+           xsum + r * groups, isum + r * groups);
 }

@@ -47,8 +47,8 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.confkv_q8_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
     fn4 = lib.confkv_q4i_matmul
     fn4.restype = ctypes.c_int
     fn4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -63,7 +63,7 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(lib, "confkv_quantize_rows"):
         lib.confkv_quantize_rows.restype = None
         head = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        lib.confkv_quantize_rows.argtypes = head + [ctypes.c_void_p] * 6 + [ctypes.c_int]
+        lib.confkv_quantize_rows.argtypes = head + [ctypes.c_void_p] * 7 + [ctypes.c_int]
     return lib
 
 
@@ -87,6 +87,9 @@ class PackedInt8:
     scale: Tensor  # group 0: [ceil(N / 16) * 16] fp32; else [ceil(N / 16), K / group, 16] fp16
     n: int
     group: int = 0  # inputs per weight scale, 0: the whole row
+    # groups of 32: [ceil(N / 16)] uint8, 1 where all of a block's codes lie in -16..15 (Q5_0's), which
+    # the AVX2 path multiplies without the sign trick (``_q8avx2.c``; the same outputs); None: no block
+    narrow: Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -112,7 +115,17 @@ def pack(weight: Int8Weight | Int8GroupWeight, round_scales: bool = False) -> Pa
         return PackedInt8(packed, F.pad(weight.scale.to(torch.float32), (0, pad)).contiguous(), n)
     if not round_scales and not torch.equal(weight.scale.half().float(), weight.scale.float()):
         raise ValueError("the native int8 kernel keeps group scales in fp16; these are not fp16 values")
-    return PackedInt8(packed, _blocks_of_16(weight.scale).half(), n, group)
+    return PackedInt8(packed, _blocks_of_16(weight.scale).half(), n, group, narrow_blocks(packed, group))
+
+
+def narrow_blocks(packed: Tensor, group: int) -> Tensor | None:
+    """Per 16-row block of ``packed`` ([blocks, K / 4, 16, 4] int8), 1 where every code lies in
+    -16..15; None for other groupings or where no block qualifies."""
+    if group != 32:
+        return None
+    flat = packed.view(packed.shape[0], -1)
+    flags = ((flat.amin(dim=1) >= -16) & (flat.amax(dim=1) <= 15)).to(torch.uint8)
+    return flags.contiguous() if bool(flags.any()) else None
 
 
 @dataclass(frozen=True)
@@ -190,8 +203,8 @@ def matmul(x: Tensor, w: PackedInt8 | PackedInt4Blocks, isa: str, threads: int |
 
 def quantized_activations(x: Tensor, threads: int | None = None) -> dict[str, Tensor]:
     """What every native matmul computes from ``x [rows, K]`` (fp32 or bf16, CPU) before its dots
-    (``_qacts.c``): ``q`` int8 [rows, K], and per row ``s``, ``flip32``, ``xsum`` [rows, K / 32],
-    ``flip16`` [rows, K / 16], ``off`` [rows]. For checking the kernel's activations."""
+    (``_qacts.c``): ``q`` int8 [rows, K], and per row ``s``, ``flip32``, ``xsum``, ``isum`` (int32)
+    [rows, K / 32], ``flip16`` [rows, K / 16], ``off`` [rows]. For checking the kernel's activations."""
     lib = _library()
     if lib is None or not hasattr(lib, "confkv_quantize_rows"):
         raise RuntimeError("the native int8 kernel is not built (see setup.py)")
@@ -202,9 +215,10 @@ def quantized_activations(x: Tensor, threads: int | None = None) -> dict[str, Te
     rows, k = x.shape
     g = k // ACT_GROUP
     out = {"q": torch.empty(rows, k, dtype=torch.int8), "s": torch.empty(rows, g), "off": torch.empty(rows),
-           "flip16": torch.empty(rows, 2 * g), "flip32": torch.empty(rows, g), "xsum": torch.empty(rows, g)}
-    lib.confkv_quantize_rows(x.data_ptr(), _DTYPES[x.dtype], rows, k,
-                             *(out[n].data_ptr() for n in ("q", "s", "off", "flip16", "flip32", "xsum")),
+           "flip16": torch.empty(rows, 2 * g), "flip32": torch.empty(rows, g), "xsum": torch.empty(rows, g),
+           "isum": torch.empty(rows, g, dtype=torch.int32)}
+    names = ("q", "s", "off", "flip16", "flip32", "xsum", "isum")
+    lib.confkv_quantize_rows(x.data_ptr(), _DTYPES[x.dtype], rows, k, *(out[n].data_ptr() for n in names),
                              threads or torch.get_num_threads())
     return out
 
@@ -216,7 +230,8 @@ def _entry(lib: ctypes.CDLL, w: PackedInt8 | PackedInt4Blocks,
     n = w.shape[0]
     if isinstance(w, PackedInt4Blocks):
         return getattr(lib, f"confkv_q4i_{op}"), (w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), n)
-    return getattr(lib, f"confkv_q8_{op}"), (w.q.data_ptr(), w.scale.data_ptr(), w.group, n)
+    narrow = None if w.narrow is None else w.narrow.data_ptr()
+    return getattr(lib, f"confkv_q8_{op}"), (w.q.data_ptr(), w.scale.data_ptr(), w.group, narrow, n)
 
 
 def bound(w: PackedInt8 | PackedInt4Blocks, isa: str, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
