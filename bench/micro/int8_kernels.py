@@ -6,9 +6,9 @@ model/_q8matmul.c), at a few row counts.
 32, as GGUF's Q8_0 / Q5_0 are served, or of ``--group 16``, as Q6_K's sub-blocks; PyTorch's per-row
 int8 of the same values beside it) or
 ``int4`` (groups of 32: ``quantize_int4``, PyTorch's int4 beside it). ``--codes q5`` (int8g, groups
-of 32): codes in Q5_0's -16..15, narrow blocks (model/_q8avx2.c), with ``q8n-sign``, the same
-weight through the sign-trick tile, beside ``q8n``. Random weights (N(0, 0.02)),
-activations N(0, 1) in the kernel table's
+of 32) / ``q6`` (``--group 16``): codes in Q5_0's -16..15 / Q6_K's -32..31, narrow blocks
+(model/_q8avx2.c), with ``q8n-sign``, the same weight through the sign-trick tile, beside ``q8n``.
+Random weights (N(0, 0.02)), activations N(0, 1) in the kernel table's
 activation dtype, ``--threads`` threads. Every candidate is timed in the same rounds, interleaved
 (a burst of outside load hits them alike), best of ``--rounds``; PyTorch's int8 is left out above
 ``--int8-max-rows`` (it grows linearly with the rows and already loses several times over at 64).
@@ -55,12 +55,14 @@ def best_ms(fns: dict[str, kernels.KernelFn], x: torch.Tensor, rounds: int) -> d
     return best
 
 
-def q5_codes(w: torch.Tensor) -> Int8GroupWeight:
-    """``w`` in groups of 32 with codes in -16..15 (Q5_0's range) and fp16 scales."""
-    groups = w.view(w.shape[0], -1, 32)
-    scale = (groups.abs().amax(-1) / 16).half().float().clamp_min(2 ** -14)
-    q = torch.round(groups / scale[..., None]).clamp(-16, 15).to(torch.int8)
-    return Int8GroupWeight(q.view(w.shape), scale, 32)
+def narrow_codes(w: torch.Tensor, group: int) -> Int8GroupWeight:
+    """``w`` in groups of 32 with codes in -16..15 (Q5_0's range) or of 16 with codes in -32..31
+    (Q6_K's), fp16 scales."""
+    c = 16 if group == 32 else 32
+    groups = w.view(w.shape[0], -1, group)
+    scale = (groups.abs().amax(-1) / c).half().float().clamp_min(2 ** -14)
+    q = torch.round(groups / scale[..., None]).clamp(-c, c - 1).to(torch.int8)
+    return Int8GroupWeight(q.view(w.shape), scale, group)
 
 
 def candidates(kind: str, w: torch.Tensor, dtype: torch.dtype, group: int = 32,
@@ -72,7 +74,7 @@ def candidates(kind: str, w: torch.Tensor, dtype: torch.dtype, group: int = 32,
         return {"int4": kernels.int4_kernel(weight, None, dtype),
                 "dense": kernels.dense_kernel(weight.dequantize(), None, dtype)}, weight
     if kind == "int8g":
-        weight = q5_codes(w) if codes == "q5" else quantize_int8_groups(w, group)
+        weight = narrow_codes(w, group) if codes in ("q5", "q6") else quantize_int8_groups(w, group)
     else:
         weight = quantize_int8(w)
     per_row = quantize_int8(weight.dequantize())
@@ -89,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int8-max-rows", type=int, default=64)
     p.add_argument("--kind", choices=("int8", "int8g", "int4"), default="int8")
     p.add_argument("--group", type=int, default=32, choices=(16, 32), help="int8g: inputs per scale")
-    p.add_argument("--codes", choices=("int8", "q5"), default="int8",
-                   help="int8g: codes over int8's range or Q5_0's -16..15 (q8n-sign beside q8n)")
+    p.add_argument("--codes", choices=("int8", "q5", "q6"), default="int8",
+                   help="int8g: codes over int8's range, Q5_0's -16..15 (groups of 32) or Q6_K's -32..31 "
+                        "(--group 16); q5 / q6: q8n-sign beside q8n")
     p.add_argument("--out", help="file name under bench/results/micro")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    if args.codes != "int8" and (args.kind != "int8g" or args.group != {"q5": 32, "q6": 16}[args.codes]):
+        p.error("--codes q5 needs --kind int8g (groups of 32), q6 --kind int8g --group 16")
     torch.set_num_threads(args.threads)
     dtype = kernels.activation_dtype()
     isa = kernels.native_int8_isa() if args.kind != "int4" else kernels.native_isa()
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if isa is not None:
             fns[native] = (kernels.q4n_kernel if args.kind == "int4" else kernels.q8n_kernel)(
                 weight, None, dtype)  # type: ignore[arg-type]
-        if isa is not None and args.codes == "q5":  # the same packed codes without the narrow flags
+        if isa is not None and args.codes != "int8":  # the same packed codes without the narrow flags
             plain = dataclasses.replace(q8native.pack(weight), narrow=None)
             fns["q8n-sign"] = q8native.bound(plain, isa, dtype)
         for rows in (int(r) for r in args.rows.split(",")):

@@ -31,7 +31,7 @@ def expected(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"q": q.to(torch.int8).view(rows, k), "s": scale,
             "flip16": (128 * scale[..., None] * halves).view(rows, -1),
             "flip32": 128 * scale * halves.sum(-1), "xsum": xg.sum(-1), "off": (128 * total).float(),
-            "isum": halves.sum(-1).to(torch.int32)}
+            "isum": halves.to(torch.int32).view(rows, -1)}
 
 
 def activations(rows: int, k: int, seed: int) -> torch.Tensor:

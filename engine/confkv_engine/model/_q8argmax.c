@@ -165,7 +165,7 @@ int confkv_q8_argmax(const void *x, int x_dtype, int64_t rows, int64_t k, const 
                      const void *wscale, int wgroup, const uint8_t *narrow, int64_t n, int64_t *idx,
                      float *val, int isa, int threads) {
     const W8 w = {.q = wq, .scale = wgroup ? NULL : wscale, .half = wgroup ? wscale : NULL,
-                  .narrow = wgroup == GROUP ? narrow : NULL, .k = k, .wg = wgroup};
+                  .narrow = wgroup ? narrow : NULL, .k = k, .wg = wgroup};
     return run_argmax(&w, x, x_dtype, rows, n, idx, val, isa, threads);
 }
 

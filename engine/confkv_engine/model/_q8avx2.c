@@ -41,65 +41,77 @@ static inline void store_rows(__m256 out[2][RT], int count, int64_t b, int64_t r
 
 #define NARROW_ROWS 3
 
+/* `wg` 32 (Q5_0: codes -16..15, offset 16, four chunks a round) or 16 (Q6_K: codes -32..31, offset
+   32, two chunks a round: 4 x 63 x 127 = 32,004 in int16); two rounds per scale group either way. */
 static inline __attribute__((always_inline)) void narrow_body(const W8 *w, int64_t b, const Acts8 *a,
-                                                              int64_t r0, const int rows,
+                                                              int64_t r0, const int rows, const int wg,
                                                               __m256 out[2][RT]) {
     const int64_t k = w->k, groups = k / GROUP;
-    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(16);
+    const int parts = wg == 16 ? 2 : 1, span = 8 / parts, offset = wg == 16 ? 32 : 16;
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)offset);
     _Pragma("GCC unroll 4")
     for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256i dot[2][NARROW_ROWS];
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < rows; r++) { /* take the bias's 16 x sum(a) out up front */
-            dot[0][r] = dot[1][r] = _mm256_set1_epi32(-16 * a->isum[(r0 + r) * groups + g]);
-        }
-        for (int half = 0; half < 2; half++) {
-            __m256i d16[2][NARROW_ROWS];
+    for (int64_t g = 0; g < groups; g++)
+        for (int h = 0; h < parts; h++) {
+            __m256i dot[2][NARROW_ROWS];
             _Pragma("GCC unroll 4")
-            for (int r = 0; r < rows; r++) d16[0][r] = d16[1][r] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 1") /* unrolled, GCC summed the products as a tree and spilled them */
-            for (int64_t c = g * 8 + half * 4; c < g * 8 + half * 4 + 4; c++) {
-                const __m256i w0 = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)chunk(w, b, c)), bias);
-                const __m256i w1 = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(chunk(w, b, c) + 32)), bias);
+            for (int r = 0; r < rows; r++) { /* take the bias's offset x sum(a) out up front */
+                const int32_t *sums = a->isum + (r0 + r) * 2 * groups + 2 * g; /* per 16 codes */
+                dot[0][r] = dot[1][r] = _mm256_set1_epi32(-offset * (wg == 16 ? sums[h] : sums[0] + sums[1]));
+            }
+            for (int round = 0; round < 2; round++) {
+                __m256i d16[2][NARROW_ROWS];
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < rows; r++) d16[0][r] = d16[1][r] = _mm256_setzero_si256();
+                const int64_t c0 = g * 8 + h * span + round * span / 2;
+                _Pragma("GCC unroll 1") /* unrolled, GCC summed the products as a tree and spilled them */
+                for (int64_t c = c0; c < c0 + span / 2; c++) {
+                    const __m256i w0 = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)chunk(w, b, c)), bias);
+                    const __m256i w1 = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(chunk(w, b, c) + 32)),
+                                                       bias);
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < rows; r++) {
+                        const __m256i av = _mm256_set1_epi32(load4(a->q + (r0 + r) * k + c * 4));
+                        d16[0][r] = _mm256_add_epi16(d16[0][r], _mm256_maddubs_epi16(w0, av));
+                        d16[1][r] = _mm256_add_epi16(d16[1][r], _mm256_maddubs_epi16(w1, av));
+                    }
+                }
                 _Pragma("GCC unroll 4")
                 for (int r = 0; r < rows; r++) {
-                    const __m256i av = _mm256_set1_epi32(load4(a->q + (r0 + r) * k + c * 4));
-                    d16[0][r] = _mm256_add_epi16(d16[0][r], _mm256_maddubs_epi16(w0, av));
-                    d16[1][r] = _mm256_add_epi16(d16[1][r], _mm256_maddubs_epi16(w1, av));
+                    dot[0][r] = _mm256_add_epi32(dot[0][r], _mm256_madd_epi16(d16[0][r], ones));
+                    dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(d16[1][r], ones));
                 }
             }
+            const uint16_t *ws = group_of(w->half, w, b, g * parts + h);
+            const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)ws));
+            const __m256 ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + 8)));
             _Pragma("GCC unroll 4")
-            for (int r = 0; r < rows; r++) {
-                dot[0][r] = _mm256_add_epi32(dot[0][r], _mm256_madd_epi16(d16[0][r], ones));
-                dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(d16[1][r], ones));
+            for (int r = 0; r < rows; r++) { /* the sign-trick tile's operations, in its order */
+                const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
+                out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), _mm256_mul_ps(ws0, s), out[0][r]);
+                out[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][r]), _mm256_mul_ps(ws1, s), out[1][r]);
             }
         }
-        const uint16_t *ws = group_of(w->half, w, b, g);
-        const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)ws));
-        const __m256 ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + 8)));
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < rows; r++) { /* the sign-trick tile's operations, in its order */
-            const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
-            out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), _mm256_mul_ps(ws0, s), out[0][r]);
-            out[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][r]), _mm256_mul_ps(ws1, s), out[1][r]);
-        }
-    }
 }
+
+#define NARROW_CASES(WG)                                                          \
+    switch (count) {                                                              \
+    case 1: narrow_body(w, b, a, r0 + r1, 1, WG, out); break;                     \
+    case 2: narrow_body(w, b, a, r0 + r1, 2, WG, out); break;                     \
+    default: narrow_body(w, b, a, r0 + r1, NARROW_ROWS, WG, out); break;          \
+    }
 
 static void tile_narrow(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y, int y_dtype,
                         int64_t n) {
     __m256 out[2][RT];
-    for (int r1 = 0; r1 < rows; r1 += NARROW_ROWS) {
-        const int count = rows - r1 < NARROW_ROWS ? rows - r1 : NARROW_ROWS;
-        switch (count) {
-        case 1: narrow_body(w, b, a, r0 + r1, 1, out); break;
-        case 2: narrow_body(w, b, a, r0 + r1, 2, out); break;
-        default: narrow_body(w, b, a, r0 + r1, NARROW_ROWS, out); break;
-        }
+    for (int r1 = 0, count; r1 < rows; r1 += count) {
+        const int left = rows - r1; /* 4 left: 2 + 2, not 3 + 1 (a one-row pass re-reads the block) */
+        count = left == 4 ? 2 : left < NARROW_ROWS ? left : NARROW_ROWS;
+        if (w->wg == 16) NARROW_CASES(16) else NARROW_CASES(32)
         store_rows(out, count, b, r0 + r1, y, y_dtype, n);
     }
 }
+
 /* One block (16 outputs, two registers of 8) by `rows` activation rows, `wg` as W8's (both
    constants once inlined). Sign trick: maddubs(|a|, sign(w, a)) pairs stay within int16
    (2 * 127 * 127), so there is no unsigned flip to take out. */
@@ -154,7 +166,7 @@ static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t
 
 void confkv_q8_tile_avx2(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int rows, void *y,
                          int y_dtype, int64_t n) {
-    if (w->narrow != NULL && w->narrow[b]) { /* codes in -16..15: no sign trick needed (below) */
+    if (w->narrow != NULL && w->narrow[b]) { /* codes in -16..15 / -32..31: no sign trick (above) */
         tile_narrow(w, b, a, r0, rows, y, y_dtype, n);
         return;
     }

@@ -286,8 +286,8 @@ static TileFn tile_fn(int isa, int four, int wg) {
 int confkv_q8_quantize(const void *x, int x_dtype, int64_t rows, int64_t k, int threads, Quantized *out) {
     const int64_t groups = k / GROUP;
     int8_t *aq = malloc((size_t)(rows * k));
-    /* per row: s, flip32, xsum and isum (int32, the same size) per group of 32, flip16 per 16, off */
-    float *s = malloc(sizeof(float) * (size_t)(6 * rows * groups + rows));
+    /* per row: s, flip32 and xsum per group of 32, flip16 and isum (int32, the same size) per 16, off */
+    float *s = malloc(sizeof(float) * (size_t)(7 * rows * groups + rows));
     if (aq == NULL || s == NULL) { free(aq); free(s); return -3; }
     float *flip32 = s + rows * groups, *xsum = flip32 + rows * groups, *flip16 = xsum + rows * groups;
     float *off = flip16 + 2 * rows * groups;
@@ -335,15 +335,16 @@ static int run(const W8 *w, const void *x, int x_dtype, int64_t rows, int64_t n,
 
 /* y [rows, n] (dtype y_dtype) = x [rows, k] (x_dtype) times the weights' transpose, the weights
    wq scaled by wscale per row (wgroup 0: fp32) or per row and group of wgroup (16 or 32) inputs
-   (fp16, as group_of lays them out); narrow (optional, groups of 32 only): per block of 16 rows, 1
-   where all its codes lie in -16..15, which the AVX2 path reads without the sign trick (_q8avx2.c).
+   (fp16, as group_of lays them out); narrow (optional, group scales only): per block of 16 rows, 1
+   where all its codes lie in -16..15 (wgroup 32) or -32..31 (16), which the AVX2 path reads without
+   the sign trick (_q8avx2.c).
    Returns 0, or -1 when the CPU lacks the ISA asked for, -2 when k is not a multiple of 32,
    -3 when scratch memory cannot be had, -4 for another wgroup. */
 int confkv_q8_matmul(const void *x, int x_dtype, int64_t rows, int64_t k, const int8_t *wq,
                      const void *wscale, int wgroup, const uint8_t *narrow, int64_t n, void *y,
                      int y_dtype, int isa, int threads) {
     const W8 w = {.q = wq, .scale = wgroup ? NULL : wscale, .half = wgroup ? wscale : NULL,
-                  .narrow = wgroup == GROUP ? narrow : NULL, .k = k, .wg = wgroup};
+                  .narrow = wgroup ? narrow : NULL, .k = k, .wg = wgroup};
     return run(&w, x, x_dtype, rows, n, y, y_dtype, isa, threads);
 }
 

@@ -19,7 +19,7 @@ typedef struct {          /* quantized activations, rows x k */
     const float *flip16;  /* [rows, k / 16] 128 * s[g] * sum of each 16 codes (the flip's share of a dot) */
     const float *flip32;  /* [rows, k / 32] the same per group of 32 (int4: / 16 is 8 * s * sum a) */
     const float *xsum;    /* [rows, k / 32] exact fp32 sum of each group's x (4-bit weights' zero term) */
-    const int32_t *isum;  /* [rows, k / 32] sum of each group's codes (the narrow int8 blocks' offset) */
+    const int32_t *isum;  /* [rows, k / 16] sum of each 16 codes (the narrow int8 blocks' offset) */
     int64_t k;
 } Acts8;
 
@@ -28,7 +28,7 @@ typedef struct { /* packed weights: [n / 16][k / 4][16][4] int8 (see the header 
     const float *scale;      /* wg 0: fp32 [n rounded up to 16] */
     const uint16_t *half;    /* wg > 0: fp16 [n / 16][k / wg][16], a block's 16 rows together (int4: d) */
     const uint16_t *minimum; /* 4-bit weights only (wg 32): fp16 like half, w = d * q + minimum */
-    const uint8_t *narrow;   /* wg 32, optional: [n / 16] 1 where all of block b's codes lie in -16..15 */
+    const uint8_t *narrow;   /* optional: [n / 16] 1 where block b's codes lie in -16..15 (wg 32) / -32..31 (16) */
     int64_t k;
     int wg; /* inputs per weight scale: 0 (the whole row), 16 or 32 */
 } W8;

@@ -4,7 +4,7 @@
    Per row and group g of 32 inputs x_j: s = max|x| / 127, a_j = round(x_j / s) (nearest, ties to
    even) in -127..127, and
      flip16[2g + h] = 128 s (sum of a over half h), flip32[g] = 128 s (sum of a over the group),
-     isum[g]        = the sum of a over the group itself (int32: the narrow int8 tiles' exact offset),
+     isum[2g + h]   = the sum of a over half h itself (int32: the narrow int8 tiles' exact offset),
      xsum[g]        = the fp32 sum of the group's x (the 4-bit weights' zero term),
      off            = 128 sum_g s[g] (sum of a over group g), accumulated in double.
 
@@ -28,7 +28,8 @@
 static inline double group_numbers(int64_t g, float scale, int32_t h0, int32_t h1, float *s, float *flip16,
                                    float *flip32, int32_t *isum) {
     s[g] = scale;
-    isum[g] = h0 + h1;
+    isum[2 * g] = h0;
+    isum[2 * g + 1] = h1;
     flip16[2 * g] = 128.f * scale * (float)h0;
     flip16[2 * g + 1] = 128.f * scale * (float)h1;
     flip32[g] = 128.f * scale * (float)(h0 + h1);
@@ -145,5 +146,5 @@ void confkv_quantize_rows(const void *x, int dtype, int64_t rows, int64_t k, int
     #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (rows * k >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++)
         fn(x, dtype, r, k, q + r * k, s + r * groups, off + r, flip16 + 2 * r * groups, flip32 + r * groups,
-           xsum + r * groups, isum + r * groups);
+           xsum + r * groups, isum + 2 * r * groups);
 }

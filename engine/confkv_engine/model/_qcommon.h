@@ -29,8 +29,8 @@ static inline void store_y(void *y, int dtype, int64_t i, float v) {
     ((uint16_t *)y)[i] = (uint16_t)(u >> 16);
 }
 
-/* Quantizes x [rows, k] (k a multiple of GROUP) into q [rows, k] with, per row, s / flip32 / xsum / isum
-   [k / GROUP], flip16 [2 k / GROUP] and off [1] (_qacts.c says what each holds). */
+/* Quantizes x [rows, k] (k a multiple of GROUP) into q [rows, k] with, per row, s / flip32 / xsum
+   [k / GROUP], flip16 / isum [2 k / GROUP] and off [1] (_qacts.c says what each holds). */
 void confkv_quantize_rows(const void *x, int dtype, int64_t rows, int64_t k, int8_t *q, float *s,
                           float *off, float *flip16, float *flip32, float *xsum, int32_t *isum, int threads);
 

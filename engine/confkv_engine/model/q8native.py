@@ -87,8 +87,9 @@ class PackedInt8:
     scale: Tensor  # group 0: [ceil(N / 16) * 16] fp32; else [ceil(N / 16), K / group, 16] fp16
     n: int
     group: int = 0  # inputs per weight scale, 0: the whole row
-    # groups of 32: [ceil(N / 16)] uint8, 1 where all of a block's codes lie in -16..15 (Q5_0's), which
-    # the AVX2 path multiplies without the sign trick (``_q8avx2.c``; the same outputs); None: no block
+    # group scales: [ceil(N / 16)] uint8, 1 where all of a block's codes lie in -16..15 (groups of 32:
+    # Q5_0's) or -32..31 (16: Q6_K's), which the AVX2 path multiplies without the sign trick
+    # (``_q8avx2.c``; the same outputs); None: no such block
     narrow: Tensor | None = None
 
     @property
@@ -118,13 +119,18 @@ def pack(weight: Int8Weight | Int8GroupWeight, round_scales: bool = False) -> Pa
     return PackedInt8(packed, _blocks_of_16(weight.scale).half(), n, group, narrow_blocks(packed, group))
 
 
+NARROW_CODES = {32: 16, 16: 32}  # group -> c: the AVX2 narrow tile reads codes in -c .. c - 1
+
+
 def narrow_blocks(packed: Tensor, group: int) -> Tensor | None:
     """Per 16-row block of ``packed`` ([blocks, K / 4, 16, 4] int8), 1 where every code lies in
-    -16..15; None for other groupings or where no block qualifies."""
-    if group != 32:
+    -16..15 (groups of 32: Q5_0's) or -32..31 (groups of 16: Q6_K's); None for per-row scales or
+    where no block qualifies."""
+    if group not in NARROW_CODES:
         return None
+    c = NARROW_CODES[group]
     flat = packed.view(packed.shape[0], -1)
-    flags = ((flat.amin(dim=1) >= -16) & (flat.amax(dim=1) <= 15)).to(torch.uint8)
+    flags = ((flat.amin(dim=1) >= -c) & (flat.amax(dim=1) <= c - 1)).to(torch.uint8)
     return flags.contiguous() if bool(flags.any()) else None
 
 
@@ -203,8 +209,8 @@ def matmul(x: Tensor, w: PackedInt8 | PackedInt4Blocks, isa: str, threads: int |
 
 def quantized_activations(x: Tensor, threads: int | None = None) -> dict[str, Tensor]:
     """What every native matmul computes from ``x [rows, K]`` (fp32 or bf16, CPU) before its dots
-    (``_qacts.c``): ``q`` int8 [rows, K], and per row ``s``, ``flip32``, ``xsum``, ``isum`` (int32)
-    [rows, K / 32], ``flip16`` [rows, K / 16], ``off`` [rows]. For checking the kernel's activations."""
+    (``_qacts.c``): ``q`` int8 [rows, K], and per row ``s``, ``flip32``, ``xsum`` [rows, K / 32],
+    ``flip16``, ``isum`` (int32) [rows, K / 16], ``off`` [rows]. For checking the kernel's activations."""
     lib = _library()
     if lib is None or not hasattr(lib, "confkv_quantize_rows"):
         raise RuntimeError("the native int8 kernel is not built (see setup.py)")
@@ -216,7 +222,7 @@ def quantized_activations(x: Tensor, threads: int | None = None) -> dict[str, Te
     g = k // ACT_GROUP
     out = {"q": torch.empty(rows, k, dtype=torch.int8), "s": torch.empty(rows, g), "off": torch.empty(rows),
            "flip16": torch.empty(rows, 2 * g), "flip32": torch.empty(rows, g), "xsum": torch.empty(rows, g),
-           "isum": torch.empty(rows, g, dtype=torch.int32)}
+           "isum": torch.empty(rows, 2 * g, dtype=torch.int32)}
     names = ("q", "s", "off", "flip16", "flip32", "xsum", "isum")
     lib.confkv_quantize_rows(x.data_ptr(), _DTYPES[x.dtype], rows, k, *(out[n].data_ptr() for n in names),
                              threads or torch.get_num_threads())
