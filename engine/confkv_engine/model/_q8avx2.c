@@ -3,17 +3,19 @@
    Four activation rows at a time (16 ymm registers), three for narrow blocks.
 
    Narrow blocks: 16-row weight blocks whose codes all lie in -16..15 (GGUF's Q5_0, stored as int8
-   groups of 32 by the loader), flagged at packing (q8native.pack). AVX2 has no u8 x s8 dot into
+   groups of 32 by the loader) or, with groups of 16, in -32..31 (Q6_K's sub-blocks), flagged at
+   packing (q8native.pack). AVX2 has no u8 x s8 dot into
    int32 (VNNI's dpbusd); its maddubs adds two u8 x s8 products into a saturating int16, so
    full-range int8 weights take the sign trick, maddubs(|a|, sign(w, a)), and widen every chunk with
    madd: nine vector operations per row and chunk of 4 x 16 products, most of them on the two pipes
    that multiply. A narrow code plus 16 is unsigned and at most 31, so maddubs(q + 16, a) needs no
    sign trick, and eight such products (four chunks: half a group) add up in int16 without overflow
    (8 x 31 x 127 = 31,496 < 32,767): per row and chunk two maddubs and two int16 adds, one widening
-   per half group. The +16 adds 16 x (sum of the group's codes) to each group's dot, taken out in
-   int32 from the activations' ``isum`` (_qacts.c), so every output equals the sign-trick tile's bit
-   for bit. Gemma 3 270M's Q4_K_M file stores q, k, gate and up (and half of v) as Q5_0: about two
-   thirds of its layers' multiply-adds. With four rows, the int16 and int32 sums and the fp32
+   per half group (Q6_K: q + 32, at most 63, two chunks per int16 round). The offset adds 16 (32) x
+   (sum of the codes) to each group's dot, taken out in int32 from the activations' ``isum``
+   (_qacts.c), so every output equals the sign-trick tile's bit for bit. Gemma 3 270M's Q4_K_M file
+   stores q, k, gate and up (and half of v) as Q5_0, half of down as Q6_K: about three quarters of
+   its layers' multiply-adds. With four rows, the int16 and int32 sums and the fp32
    outputs did not fit the 16 ymm registers and GCC spilled sums inside the chunk loop (slower). */
 
 #include <stdint.h>
