@@ -41,6 +41,28 @@ static inline void store_rows(__m256 out[2][RT], int count, int64_t b, int64_t r
     }
 }
 
+/* out[., r] += the group's int32 sums (dot) times its scales: the weights' (fp16 per group h of
+   group g's `wg`-input parts; wg 0: none here, the row scale comes at the end) times the activation
+   row's (per 32 inputs). */
+static inline __attribute__((always_inline)) void add_group(__m256 out[2][RT], __m256i dot[2][RT],
+                                                            const int rows, const W8 *w, int64_t b,
+                                                            const Acts8 *a, int64_t r0, int64_t g, int h,
+                                                            const int wg) {
+    const int64_t groups = w->k / GROUP;
+    __m256 ws0 = _mm256_set1_ps(1.f), ws1 = ws0;
+    if (wg) {
+        const uint16_t *ws = group_of(w->half, w, b, g * (wg == 16 ? 2 : 1) + h);
+        ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)ws));
+        ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + 8)));
+    }
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < rows; r++) {
+        const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
+        out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), wg ? _mm256_mul_ps(ws0, s) : s, out[0][r]);
+        out[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][r]), wg ? _mm256_mul_ps(ws1, s) : s, out[1][r]);
+    }
+}
+
 #define NARROW_ROWS 3
 
 /* `wg` 32 (Q5_0: codes -16..15, offset 16, four chunks a round) or 16 (Q6_K: codes -32..31, offset
@@ -55,7 +77,7 @@ static inline __attribute__((always_inline)) void narrow_body(const W8 *w, int64
     for (int r = 0; r < rows; r++) out[0][r] = out[1][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++)
         for (int h = 0; h < parts; h++) {
-            __m256i dot[2][NARROW_ROWS];
+            __m256i dot[2][RT];
             _Pragma("GCC unroll 4")
             for (int r = 0; r < rows; r++) { /* take the bias's offset x sum(a) out up front */
                 const int32_t *sums = a->isum + (r0 + r) * 2 * groups + 2 * g; /* per 16 codes */
@@ -84,15 +106,7 @@ static inline __attribute__((always_inline)) void narrow_body(const W8 *w, int64
                     dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(d16[1][r], ones));
                 }
             }
-            const uint16_t *ws = group_of(w->half, w, b, g * parts + h);
-            const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)ws));
-            const __m256 ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + 8)));
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < rows; r++) { /* the sign-trick tile's operations, in its order */
-                const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
-                out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), _mm256_mul_ps(ws0, s), out[0][r]);
-                out[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][r]), _mm256_mul_ps(ws1, s), out[1][r]);
-            }
+            add_group(out, dot, rows, w, b, a, r0, g, h, wg); /* the sign-trick tile's operations */
         }
 }
 
@@ -143,18 +157,7 @@ static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t
                     dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(p1, ones));
                 }
             }
-            __m256 ws0 = _mm256_set1_ps(1.f), ws1 = ws0;
-            if (wg) {
-                const uint16_t *ws = group_of(w->half, w, b, g * parts + h);
-                ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)ws));
-                ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + 8)));
-            }
-            _Pragma("GCC unroll 8")
-            for (int r = 0; r < rows; r++) {
-                const __m256 s = _mm256_set1_ps(a->s[(r0 + r) * groups + g]);
-                out[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r]), wg ? _mm256_mul_ps(ws0, s) : s, out[0][r]);
-                out[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1][r]), wg ? _mm256_mul_ps(ws1, s) : s, out[1][r]);
-            }
+            add_group(out, dot, rows, w, b, a, r0, g, h, wg);
         }
 }
 
