@@ -288,6 +288,28 @@ def test_chain_names_and_config_validation() -> None:
         TierConfig(key_only=False, precisions=("int4",), precision_loss=(0.002, 0.02, 0.8))
 
 
+def test_room_for_the_next_interval_is_taken_against_the_budget_ahead() -> None:
+    from confkv_engine.retention.policies import RetentionConfig
+    from confkv_engine.retention.runtime import RetentionState
+
+    # Blocks of 4 tokens, a FULL block pair 100 bytes, per-length budget 0.5, interval 4, no floor.
+    acct = KVAccounting(block_size=4, half_block_bytes=50, pair_bytes=((I4, 30), (I2, 20)))
+    tiers = TierConfig(sinks=1, window=4, key_only=False, precisions=("int4", "int2"), precision_window=4,
+                       precision_floor=None)
+    state = RetentionState(cfg=RetentionConfig(policy="conf-kv", tiers=tiers, budget=0.5), acct=acct,
+                           num_layers=1, num_kv_heads=1, head_dim=4, group=1, interval=4)
+    # At 64 tokens the budget is 800 bytes; from 65 on 850 (17 blocks' worth). Any of the next 4
+    # tokens takes one new block (100), so the decision may keep 850 - 100 = 750, not 800 - 100.
+    assert [state.target_bytes(64 + k, False) for k in range(5)] == [800, 850, 850, 850, 850]
+    assert state.decision_target(64, False) == 750
+    # At 66 the budget steps up only at 69: 850 - 100 binds (k = 1), not 900 - 100.
+    assert state.decision_target(66, False) == 750
+    for length in range(32, 200, 2):  # above the floor: never over the budget the interval passes
+        kept = state.decision_target(length, False)
+        for k in range(1, 5):
+            assert kept + acct.held_bytes(k, k) <= state.target_bytes(length + k, False), (length, k)
+
+
 def test_precision_floor_holds_the_other_chains_bytes_and_keeps_early_tokens_quantized() -> None:
     from confkv_engine.retention.policies import RetentionConfig
     from confkv_engine.retention.runtime import RetentionState

@@ -156,7 +156,8 @@ class RetentionManager:
         """Pool blocks a sequence under ``cfg`` can ever hold up to ``max_len`` tokens, or None when
         its budget does not bind (no budget, or one no smaller than the full cache): admission
         reserves the budget, not the full length. A decision leaves room for the next interval
-        (``RetentionState._room_for_next_chunk``), so the sequence holds at most the budget at
+        (``RetentionState._room_for_next_chunk``, against the budget at each length up to the next
+        decision), so the sequence holds at most the budget at
         ``max_len`` (it only grows with the length) or, where the floor binds, sinks + the minimal
         window + one interval; in whole blocks (the null block KEY_ONLY points at is the cache's,
         reserved at start; the retention metadata is counted in the bytes but is not pool memory)."""

@@ -306,26 +306,30 @@ class RetentionState:
 
     def decision_target(self, length: int, under_pressure: bool) -> int:
         """What a decision at ``length`` fits the sequence into (before a budget schedule moves it):
-        the budget less the room for the next interval, where a budget applies."""
-        target = self.target_bytes(length, under_pressure)
-        return self._room_for_next_chunk(target, length) if self._budgeted(under_pressure) else target
+        the budget, less the room for the next interval where a budget applies."""
+        if not self._budgeted(under_pressure):
+            return self.target_bytes(length, under_pressure)
+        return self._room_for_next_chunk(length, under_pressure)
 
     def _budgeted(self, under_pressure: bool) -> bool:
         cfg = self.cfg
         budgeted = cfg.budget is not None or cfg.budget_tokens is not None
         return budgeted and (cfg.budget_mode == "always" or under_pressure)
 
-    def chunk_bytes(self) -> int:
-        """Most bytes one interval appends: its K and V blocks (a partly filled tail block absorbs the
-        rest) and its slots' metadata."""
-        return self.acct.held_bytes(self.interval, self.interval) - self.acct.fixed_bytes
-
-    def _room_for_next_chunk(self, target: int, length: int) -> int:
+    def _room_for_next_chunk(self, length: int, under_pressure: bool) -> int:
         """A decision leaves room for the interval appended before the next one, so the sequence
         never holds more than its budget (down to the floor of sinks + minimal window): the peak
-        bytes a request reports and admission reserves are the budget itself, not budget + a chunk."""
+        bytes a request reports and admission reserves are the budget itself, not budget + a chunk.
+        The room is taken against the budget at each length the interval passes through, not at
+        ``length``: after ``k`` appended tokens the sequence may hold the budget at ``length + k``,
+        which grows with the length under a per-length budget (by ``f`` x a FULL token per token),
+        so the decision keeps that growth instead of leaving it unused (tuning text, every cell:
+        docs/notes/retention-journal.md, "Room against the budget ahead")."""
+        fixed = self.acct.fixed_bytes
+        room = min(self.target_bytes(length + k, under_pressure) - (self.acct.held_bytes(k, k) - fixed)
+                   for k in range(self.interval + 1))
         protected = min(length, self.cfg.tiers.floor_tokens)
-        return max(target - self.chunk_bytes(), self.acct.held_bytes(protected, protected))
+        return max(room, self.acct.held_bytes(protected, protected))
 
     def _schedules(self, under_pressure: bool) -> bool:
         """Whether the budget schedule sets this decision's target (it needs a budget that applies)."""
