@@ -21,6 +21,7 @@ setup(ext_modules=[
         "confkv_engine.cache.codec._dequant",
         sources=["engine/confkv_engine/cache/codec/_dequant.c",  # the block decoder
                  "engine/confkv_engine/cache/codec/_codes.c"],  # attention straight from the codes
+        depends=["engine/confkv_engine/_expf.h"],  # the exp the native libraries share
         extra_compile_args=["-O3", "-ffp-contract=off", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],
@@ -36,7 +37,8 @@ setup(ext_modules=[
         sources=["engine/confkv_engine/model/_q8matmul.c", "engine/confkv_engine/model/_q8argmax.c",
                  "engine/confkv_engine/model/_q8avx2.c", "engine/confkv_engine/model/_qacts.c",
                  "engine/confkv_engine/model/_rowops.c"],
-        depends=["engine/confkv_engine/model/_qcommon.h", "engine/confkv_engine/model/_q8tile.h"],
+        depends=["engine/confkv_engine/model/_qcommon.h", "engine/confkv_engine/model/_q8tile.h",
+                 "engine/confkv_engine/_expf.h"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],
@@ -47,6 +49,7 @@ setup(ext_modules=[
     Extension(
         "confkv_engine.attention.kernels._decode",
         sources=["engine/confkv_engine/attention/kernels/_decode.c"],
+        depends=["engine/confkv_engine/_expf.h"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],
@@ -56,6 +59,7 @@ setup(ext_modules=[
     Extension(
         "confkv_engine.retention._mass",
         sources=["engine/confkv_engine/retention/_mass.c"],
+        depends=["engine/confkv_engine/_expf.h"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],

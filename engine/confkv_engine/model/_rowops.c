@@ -13,7 +13,7 @@
    OpenMP over rows when there are enough of them to pay for the team. */
 
 #pragma GCC optimize("fp-contract=off")
-/* No FP traps are enabled, so the float-to-int conversion in exp_approx may vectorise: with GCC's
+/* No FP traps are enabled, so the float-to-int conversion in confkv_expf (../_expf.h) may vectorise: with GCC's
    default -ftrapping-math it kept the AVX2 clone of the activation scalar (it could raise an FP flag
    a scalar loop would not). The values are the same either way. */
 #pragma GCC optimize("no-trapping-math")
@@ -21,6 +21,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "../_expf.h"
 
 enum { RT_F32 = 0, RT_BF16 = 1 };
 
@@ -149,29 +151,6 @@ int confkv_qk_rope(void *qk, int64_t rows, int64_t row_stride, int64_t heads, in
     return 0;
 }
 
-/* exp(x) for x in [-87.3, 88.3] (clamped there), within about 1 ulp: Cody-Waite reduction by ln 2
-   and Cephes' degree-6 polynomial, 2^n built in the exponent bits. Branch-free, so the loops below
-   vectorise (libm's scalar expf / tanhf per element made the activation slower than PyTorch's
-   vectorised ops at one row: 45 against 13 us for Gemma 3's 2 x 2,048). */
-static inline float exp_approx(float x) {
-    const float shift = 12582912.0f; /* 1.5 x 2^23: adding it rounds to an integer */
-    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-    const float t = x * 1.44269504088896341f + shift;
-    const float n = t - shift;
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * (r * r) + r) + 1.0f;
-    const int32_t e = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, sizeof two_n);
-    return p * two_n;
-}
-
 /* exp(z) - 1 for z >= 0, accurate near 0 too: its Taylor series up to z^8 / 8! below 0.5 (truncation
    under 1e-8 relative there), exp(z) - 1 above. */
 static inline float expm1_pos(float z) {
@@ -183,7 +162,7 @@ static inline float expm1_pos(float z) {
     p = p * z + 1.0f / 6.0f;
     p = p * z + 0.5f;
     p = (p * z) * z + z;
-    const float big = exp_approx(z) - 1.0f;
+    const float big = confkv_expf(z) - 1.0f;
     return z < 0.5f ? p : big;
 }
 
@@ -193,7 +172,7 @@ static inline float expm1_pos(float z) {
    negative g gives 0 in both) and bf16 results agree but for rare last-bit roundings (PyTorch's CPU
    kernels take tanh from Sleef, which returns 1 beyond |y| = 8.664339742; so does this). */
 static inline float act_of(float g, int kind) {
-    if (kind == ACT_SILU) return g / (1.0f + exp_approx(-g));
+    if (kind == ACT_SILU) return g / (1.0f + confkv_expf(-g));
     const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
     const float y = beta * (g + kappa * ((g * g) * g));
     const float a = fabsf(y), d = expm1_pos(2.0f * a);

@@ -19,7 +19,7 @@
        query_pos[i] - reach <= pos_n <= query_pos[i] - min_distance (reach < 0: no lower bound),
        the sum of P_i(n) * (keys query i sees), and how many such queries there were.
    ``scorer.update_attention`` / ``update_peak`` define the same quantities in PyTorch; the tests
-   hold the two to fp32 rounding (the exp here is a polynomial good to about 2 ulp).
+   hold the two to fp32 rounding (the exp here, ../_expf.h, is a polynomial good to about 2 ulp).
 
    Threads: OpenMP over units. Loops are plain C compiled for AVX-512, AVX2 and x86-64
    (`target_clones`), the exp written so that they vectorise; the row's maximum and sum run in
@@ -36,33 +36,13 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
+#include "../_expf.h" /* after the pragma: its exp is compiled under it */
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define CLONES
 #endif
-
-/* exp(x) for x <= 0 (a score less its row's maximum). Below -87 it returns exp(-87) ~ 1.6e-38 rather
-   than 0: far below any mass a row of at most 2^24 keys can register next to its maximum's 1. Range
-   reduction x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness), Cephes' degree-6
-   polynomial for exp(r), 2^k built in the exponent bits. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float k = (x * 1.44269504088896341f + shift) - shift;
-    float r = x - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale;
-    scale.i = ((int32_t)k + 127) << 23;
-    return p * scale.f;
-}
 
 /* Sums and maxima run in LANES independent lanes (summed at the end), which the compiler maps onto
    vector registers without being allowed to reorder a single running sum. */
@@ -92,7 +72,7 @@ CLONES static float exp_row(float *row, const int32_t *pos, int32_t qp, int64_t 
            conditional exp does not (AVX2 has no masked lanes). Hidden keys may score above the
            maximum: clamped at 0 so their exp stays finite. */
         float x = row[j] - best;
-        float e = exp_nonpositive(x > 0.0f ? 0.0f : x);
+        float e = confkv_expf(x > 0.0f ? 0.0f : x);
         row[j] = pos[j] <= qp ? e : 0.0f;
     }
     for (int l = 0; l < LANES; l++) lane[l] = 0.0f;

@@ -34,6 +34,8 @@
 #include <string.h>
 #include <math.h>
 
+#include "../../_expf.h"
+
 enum { DT_F32 = 0, DT_BF16 = 1 };
 #define MAX_D 256
 #define MAX_GROUP 16
@@ -279,26 +281,6 @@ AVX2F static inline __attribute__((always_inline)) void values_avx2(const Pool *
 #define SCORES(GN) scores_avx2(p, q, g0, GN, lo, hi, head, scale, scores)
 #define VALUES(GN) values_avx2(p, g0, GN, lo, hi, head, scores, out)
 
-/* exp(x) for x <= 0, 8 at a time: Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial
-   (_rowops.c's exp_approx, within about an ulp of expf), 2^n built in the exponent bits; x below
-   -87.3 gives exp(-87.3), about 1e-38, where expf gives 0 or a subnormal. */
-AVX2F static inline __m256 exp8(__m256 x) {
-    const __m256 shift = _mm256_set1_ps(12582912.0f); /* 1.5 x 2^23: adding it rounds to an integer */
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shift), shift);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* softmax_rows with the maximum, the exps and their sum 8 lanes at a time (libm's scalar expf was
    about 40 % of a one-row call at SmolLM2's 9 x 64 heads and 300 slots). */
 AVX2F static void softmax_rows_avx2(float *scores, int64_t rows, int64_t len, float *stats) {
@@ -316,7 +298,7 @@ AVX2F static void softmax_rows_avx2(float *scores, int64_t rows, int64_t len, fl
         const __m256 top = _mm256_set1_ps(best);
         __m256 sum = _mm256_setzero_ps();
         for (n = 0; n + 8 <= len; n += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + n), top));
+            const __m256 e = (__m256)confkv_exp8((confkv_v8f)_mm256_sub_ps(_mm256_loadu_ps(s + n), top));
             _mm256_storeu_ps(s + n, e);
             sum = _mm256_add_ps(sum, e);
         }

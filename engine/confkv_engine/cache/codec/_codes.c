@@ -39,6 +39,8 @@
 #pragma GCC diagnostic ignored "-Wpsabi" /* vector-returning helpers are always inlined */
 #endif
 
+#include "../../_expf.h" /* after the pragma: its exp contracts as this file does */
+
 #define INLINE static inline __attribute__((always_inline))
 
 /* 8 fp32 / int32 lanes in GCC's vector extension: one AVX2 register, half an AVX-512 one (16-lane
@@ -299,24 +301,12 @@ INLINE float max8(v8f v) {
     return pick(v > w, v, w)[0];
 }
 
-/* exp(x) for x <= 0 (scores less their running max), Cephes' single-precision polynomial on
-   2^n * exp(r), |r| <= ln2 / 2: within 2 ulp of libm's expf (tests/unit/test_codes_attention_native.py
-   checks the attention within 1e-5); x below -87.3 (-inf: a masked slot) gives 0. */
+/* exp(x) for x <= 0 (scores less their running max; ../../_expf.h): within 2 ulp of libm's expf
+   (tests/unit/test_codes_attention_native.py checks the attention within 1e-5); x below -87.3 (-inf:
+   a masked slot) gives 0. */
 INLINE v8f exp8(v8f x) {
-    const v8i live = x >= -87.3365447505f;
-    x = pick(live, x, splat(-87.3365447505f));
-    const v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln2) */
-    v8f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v8f y = splat(1.9875691500e-4f);
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    const v8i two_n = (__builtin_convertvector(n, v8i) + 127) << 23; /* n in [-126, 0] */
-    return (v8f)((v8i)(y * (v8f)two_n) & live);
+    const v8i live = x >= CONFKV_EXP_LO;
+    return (v8f)((v8i)confkv_exp8(x) & live);
 }
 
 /* One block pair folded into head h's G running states. kc [D, 16] and vc [valid, D]: the block's codes
