@@ -71,6 +71,23 @@ def test_bf16_rows_and_nan_rows(isa: str) -> None:
         assert torch.equal(fused, expected(p, isa, xd))
 
 
+def test_the_fused_argmax_keeps_its_weights_alive() -> None:
+    # Its arguments are raw pointers into the packed tensors: a caller that keeps only the function
+    # (packing a temporary) must not leave them pointing at freed memory.
+    import gc
+    import weakref
+
+    w = packed("int8g", torch.randn(64, 96))
+    ref = weakref.ref(w)
+    fn = q8native.bound_argmax(w, q8native.supported_isas()[0], torch.float32)
+    x = torch.randn(3, 96)
+    want = expected(w, q8native.supported_isas()[0], x)
+    del w
+    gc.collect()
+    assert ref() is not None
+    assert torch.equal(fn(x), want)
+
+
 def test_quant_linear_fuses_only_its_native_kernels() -> None:
     layer = QuantLinear(64, 8, "int8", {"dense": lambda x: x[:, :8]}, [(1, "dense")])
     assert layer.argmax(torch.randn(2, 64)) is None  # no fused kernel: the caller computes the logits

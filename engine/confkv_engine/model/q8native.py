@@ -289,4 +289,7 @@ def bound_argmax(w: PackedInt8 | PackedInt4Blocks, isa: str,
                               threads())):
             raise RuntimeError(f"native argmax ({isa}): {_ERRORS.get(rc, rc)}")
         return idx
-    return run  # (the closure holds ``w``, so the pointers above stay valid)
+    # ``middle`` points into ``w``'s tensors and ``run`` does not name ``w``: the function holds it, so a
+    # caller that keeps only the function (a temporary pack) never reads freed weights.
+    run.weight = w  # type: ignore[attr-defined]
+    return run
