@@ -11,7 +11,7 @@ import torch
 from confkv_engine.core.engine import LLMEngine
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.model.loader import load_model
-from tests.engine.test_retention_engine import CHUNK, make_engine, prompt
+from tests.engine.test_retention_engine import make_engine, prompt
 from tests.engine.tiny_models import make_tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -99,9 +99,10 @@ def test_pressure_mode_applies_the_budget_only_when_the_pool_runs_short(loaded) 
     assert usage["pressure"].effective_kv_budget == usage["always"].effective_kv_budget
     assert usage["always"].tokens_discarded > usage["pressure"].tokens_discarded
     assert usage["always"].peak_kv_bytes < usage["pressure"].peak_kv_bytes
-    # 30 blocks: the full 260 tokens would need 34; the budget applies once < 10% are free.
+    # 14 blocks: the full 260 tokens would need 34, the thresholds alone (most tokens at int4 once
+    # they leave the window) about 15; the budget applies once < 10% are free.
     thr = trajectory(make_engine(loaded, kvPolicy="conf-kv"))  # thresholds alone, any pool
-    short = make_engine(loaded, blocks=30, kvPolicy="conf-kv", budget=0.25, budgetMode="pressure")
+    short = make_engine(loaded, blocks=14, kvPolicy="conf-kv", budget=0.25, budgetMode="pressure")
     seen: list[bool] = []
     probe = short.retention.under_pressure
     short.retention.under_pressure = lambda: seen.append(probe()) or seen[-1]  # type: ignore[method-assign]
@@ -121,8 +122,9 @@ def trajectory(eng: LLMEngine, seen: list[bool] | None = None) -> list[tuple[int
         before = len(seen) if seen is not None else 0
         eng.step()
         seq = next(iter(eng.scheduler.running), None)
-        if seq is not None:  # the policy only acts at decision points (multiples of the chunk here)
-            pressed = seen is not None and any(seen[before:]) and seq.num_computed % CHUNK == 0
+        if seq is not None:  # the policy only acts at decision points (multiples of its interval)
+            at_decision = seq.num_computed % seq.policy_state.interval == 0
+            pressed = seen is not None and any(seen[before:]) and at_decision
             out.append((eng.retention.held_bytes(seq.kv, seq.policy_state), pressed))
     return out
 

@@ -53,6 +53,14 @@ class ScorerConfig:
     sampling_kind: SamplingKind = "surprise"
     decay: float = 0.999
     scale: float = 0.3
+    # The precision chain's own scale (conf-kv with int8 / int4 / k4v2 / int2 tiers). Its budget walk
+    # prices every step by the confidence, and at 0.3 every token attended above about uniform reads
+    # c > 0.95: the walk could not rank the attended tokens among themselves. At 4, c is about linear
+    # in the attention up to a few times uniform. Four tuning windows per text, both budgets: 3, 4 and
+    # 5 beat 0.3 in every cell but one within 0.1 point, 1 and 2 lost the repeating text or prose, 10
+    # the repeating text (docs/notes/retention-journal.md, "A scale for the budget walk"). The FULL /
+    # KEY_ONLY chain's thresholds keep ``scale`` (at 5 it lost prose at 0.25 by 10 points).
+    precision_scale: float = 4.0
     # Max-pool the attention signal over this many neighbouring slots (1: off). Keeps the
     # neighbours of a heavily attended token, so spans survive rather than isolated tokens.
     pool: int = 1
@@ -80,8 +88,9 @@ class ScorerConfig:
             raise ValueError(f"sampling_weight must be in [0, 1], got {self.sampling_weight}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if self.scale <= 0:
-            raise ValueError(f"scale must be > 0, got {self.scale}")
+        if self.scale <= 0 or self.precision_scale <= 0:
+            raise ValueError(f"scale and precision_scale must be > 0, got {self.scale}, "
+                             f"{self.precision_scale}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"pool must be an odd number >= 1, got {self.pool}")
         if not 0.0 < self.memory_decay <= 1.0:
