@@ -13,8 +13,8 @@
    OpenMP over rows when there are enough of them to pay for the team. */
 
 #pragma GCC optimize("fp-contract=off")
-/* No FP traps are enabled, so the float-to-int conversion in confkv_expf (../_expf.h) may vectorise: with GCC's
-   default -ftrapping-math it kept the AVX2 clone of the activation scalar (it could raise an FP flag
+/* No FP traps are enabled, so the float-to-int conversion in confkv_expf (../_expf.h) may vectorise:
+   with GCC's default -ftrapping-math it kept the AVX2 clone of the activation scalar (it could raise an FP flag
    a scalar loop would not). The values are the same either way. */
 #pragma GCC optimize("no-trapping-math")
 

@@ -56,9 +56,9 @@ class ScorerConfig:
     # The precision chain's own scale (conf-kv with int8 / int4 / k4v2 / int2 tiers). Its budget walk
     # prices every step by the confidence, and at 0.3 every token attended above about uniform reads
     # c > 0.95: the walk could not rank the attended tokens among themselves. At 4, c is about linear
-    # in the attention up to a few times uniform. Four tuning windows per text, both budgets: 3, 4 and
-    # 5 beat 0.3 in every cell but one within 0.1 point, 1 and 2 lost the repeating text or prose, 10
-    # the repeating text (docs/notes/retention-journal.md, "A scale for the budget walk"). The FULL /
+    # in the attention up to a few times uniform. Four tuning windows per text, both budgets: 3 and 4
+    # beat 0.3 in all four cells (4 by the most), 5 in three (the fourth lost by 0.06 point), 1, 2 and
+    # 10 lost a cell each by more (docs/notes/retention-journal.md, "A scale for the budget walk"). The FULL /
     # KEY_ONLY chain's thresholds keep ``scale`` (at 5 it lost prose at 0.25 by 10 points).
     precision_scale: float = 4.0
     # Max-pool the attention signal over this many neighbouring slots (1: off). Keeps the
