@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -34,8 +35,11 @@ class _Stats:
 
 
 class ScriptedEngine:
-    def __init__(self, max_waiting: int = 8) -> None:
+    def __init__(self, max_waiting: int = 8, stall_after: int | None = None) -> None:
         self.max_waiting = max_waiting
+        # A request stops getting tokens after `stall_after` of them and stays in the engine: a test
+        # that needs a request still there later must not race the engine thread finishing it.
+        self.stall_after = stall_after
         self.seqs: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.aborted: list[str] = []
         self.threads: set[str] = set()
@@ -59,6 +63,9 @@ class ScriptedEngine:
         self.threads.add(threading.current_thread().name)
         outs = []
         for rid, (prompt, params, output) in list(self.seqs.items()):
+            if self.stall_after is not None and len(output) >= self.stall_after:
+                time.sleep(0.001)  # a step takes time; an idle spin would starve the event loop's thread
+                continue
             output.append(len(output))
             done = len(output) >= params.max_tokens
             outs.append(RequestOutput(request_id=rid, prompt_token_ids=prompt, output_token_ids=list(output),
@@ -94,12 +101,12 @@ def test_outputs_stream_from_the_engine_thread() -> None:
 
 
 def test_errors_at_submission_reach_the_caller() -> None:
-    fake = ScriptedEngine(max_waiting=1)
+    fake = ScriptedEngine(max_waiting=1, stall_after=0)
     engine = AsyncEngine(fake)
     engine.start()
 
     async def main() -> None:
-        first = await engine.add_request("a", [1], SamplingParams(max_tokens=10_000))  # stays in the engine
+        first = await engine.add_request("a", [1], SamplingParams(max_tokens=4))  # stays waiting
         with pytest.raises(InvalidRequest):
             await engine.add_request("empty", [], SamplingParams())
         with pytest.raises(QueueFull):
@@ -115,12 +122,12 @@ def test_errors_at_submission_reach_the_caller() -> None:
 
 
 def test_abandoned_consumer_aborts_the_request() -> None:
-    fake = ScriptedEngine()
+    fake = ScriptedEngine(stall_after=1)
     engine = AsyncEngine(fake)
     engine.start()
 
     async def main() -> None:
-        outputs = await engine.add_request("long", [1], SamplingParams(max_tokens=10_000))
+        outputs = await engine.add_request("long", [1], SamplingParams(max_tokens=8))
         async for _ in outputs:
             break
         await outputs.aclose()  # what a client disconnect does to the response iterator
