@@ -20,8 +20,10 @@ setup(ext_modules=[
     Extension(
         "confkv_engine.cache.codec._dequant",
         sources=["engine/confkv_engine/cache/codec/_dequant.c",  # the block decoder
-                 "engine/confkv_engine/cache/codec/_codes.c"],  # attention straight from the codes
-        depends=["engine/confkv_engine/_expf.h"],  # the exp the native libraries share
+                 "engine/confkv_engine/cache/codec/_codes.c",  # attention straight from the codes
+                 "engine/confkv_engine/cache/codec/_codes_vec.c"],  # ... in 8-lane vectors
+        depends=["engine/confkv_engine/_expf.h",  # the exp the native libraries share
+                 "engine/confkv_engine/cache/codec/_codes.h"],
         extra_compile_args=["-O3", "-ffp-contract=off", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],
@@ -48,8 +50,9 @@ setup(ext_modules=[
     # x86-64 by the compiler (target_clones), chosen at load.
     Extension(
         "confkv_engine.attention.kernels._decode",
-        sources=["engine/confkv_engine/attention/kernels/_decode.c"],
-        depends=["engine/confkv_engine/_expf.h"],
+        sources=["engine/confkv_engine/attention/kernels/_decode.c",  # the plain-C path, the entry point
+                 "engine/confkv_engine/attention/kernels/_decode_simd.c"],  # the AVX-512 and AVX2 paths
+        depends=["engine/confkv_engine/_expf.h", "engine/confkv_engine/attention/kernels/_decode.h"],
         extra_compile_args=["-O3", *OPENMP],
         extra_link_args=OPENMP,
         libraries=["m"],

@@ -64,7 +64,7 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_int] * 7)]
     if not hasattr(lib, "confkv_codes_abi") or lib.confkv_codes_abi() != CODES_ABI:
-        warnings.warn(f"{LIBRARY} was built from older sources (_dequant.c, _codes.c): rebuild it "
+        warnings.warn(f"{LIBRARY} was built from older sources (_dequant.c, _codes*.c): rebuild it "
                       "(pip install -e . or make setup); the codec decodes with PyTorch ops meanwhile",
                       stacklevel=2)
         return None
