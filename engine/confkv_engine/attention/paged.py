@@ -1,7 +1,7 @@
 """Paged attention backend: writes a step's k/v into the sequences' slots and attends over them.
 
 ``begin_step`` builds everything that depends only on the batch (write indices, gather plans,
-masks) once per step; ``attend`` (called once per layer) is then a handful of tensor ops. The
+masks: ``attention.plans``) once per step; ``attend`` (called once per layer) is then a handful of tensor ops. The
 step's tokens are the sequences' new tokens flattened in the order given.
 
 - Decode rows (sequences with one new token) are batched: their blocks are gathered, K and V in
@@ -42,7 +42,6 @@ step's tokens are the sequences' new tokens flattened in the order given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -51,65 +50,12 @@ from torch import Tensor
 
 from confkv_engine.attention import codes, partial
 from confkv_engine.attention.kernels import PagedBatch, PagedKernel, kernel_for, native_decode
+from confkv_engine.attention.plans import DecodePlan, Mask, PrefillPlan
 from confkv_engine.attention.window_groups import WindowStep
 from confkv_engine.cache.arena import GatherPlan
 from confkv_engine.cache.block_pool import is_compressed
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV, WritePlan
 from confkv_engine.cache.layout import as_stored
-
-_NEG_INF = float("-inf")
-
-
-class _Mask:
-    """A visibility pattern turned into an additive mask once per query dtype."""
-
-    def __init__(self, visible: Tensor) -> None:
-        self.visible = visible
-        self._by_dtype: dict[torch.dtype, Tensor] = {}
-
-    def additive(self, dtype: torch.dtype) -> Tensor:
-        mask = self._by_dtype.get(dtype)
-        if mask is None:
-            zero = torch.zeros((), dtype=dtype, device=self.visible.device)
-            mask = torch.where(self.visible, zero, torch.full_like(zero, _NEG_INF))
-            self._by_dtype[dtype] = mask
-        return mask
-
-
-@dataclass
-class PrefillPlan:
-    """One prefill chunk's attention inputs, built once per step."""
-
-    index: int  # the sequence's position in the step
-    rows: slice
-    table: GatherPlan  # K blocks then V blocks read from the cache (split: the cached slots' only)
-    ctx: int  # slots visible to the last query of the chunk
-    cached: int  # slots cached before this chunk
-    mask: _Mask | None = None  # [1, 1, G*T, ctx], only without the split kernel
-    windowed: dict[int, tuple[GatherPlan, _Mask]] | None = None  # per window: context table, mask
-
-
-@dataclass
-class DecodePlan:
-    """A group of consecutive decode rows' blocks, K rows then V rows, padded to one width."""
-
-    rows: slice  # the group's rows among the step's decode rows
-    table: GatherPlan | None  # 2 * B * blocks entries (None: ``native`` reads the pool part)
-    width: int  # gathered slots per row
-    mask: _Mask | None  # [B, 1, 1, width] (None with ``native``)
-    lengths: Tensor  # [B] visible slots per row
-    windowed: dict[int, _Mask] | None = None  # per sliding window, built on first use in a step
-    # Compressed entries attended from their codes (``attention.codes``): the table then holds the
-    # pool entries alone, compacted; ``whole`` is the group's plan with every entry gathered and
-    # decoded (sliding-window layers), built on first use.
-    codes: codes.CodesSplit | None = None
-    seqs: list[SeqKV] | None = None
-    whole: DecodePlan | None = None
-    native: native_decode.DecodeTables | None = None  # the compacted pool part, read in place
-
-    def slot(self, row: int, slot: int, block_size: int) -> int:
-        """Where a slot of row ``row``'s sequence lies in this plan's gathered table."""
-        return slot if self.codes is None else codes.compacted(self.codes, row, slot, block_size)
 
 
 class PagedAttention:
@@ -236,7 +182,7 @@ class PagedAttention:
             native = native_decode.DecodeTables.build(k_tables, v_tables, split.lengths, pad)
             return DecodePlan(rows, None, width * bs, None, lengths, codes=split, seqs=seqs, native=native)
         visible = torch.arange(width * bs, device=self.cache.kv.device)[None, :] < lengths[:, None]
-        return DecodePlan(rows, self.cache.gather_plan(table), width * bs, _Mask(visible[:, None, None, :]),
+        return DecodePlan(rows, self.cache.gather_plan(table), width * bs, Mask(visible[:, None, None, :]),
                           lengths, codes=split, seqs=None if split is None else seqs)
 
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
@@ -249,7 +195,7 @@ class PagedAttention:
         dev = self.cache.kv.device
         limit = cached + torch.arange(n, device=dev)[:, None]  # [T, 1]
         visible = torch.arange(ctx, device=dev)[None, :] <= limit  # [T, ctx]
-        return PrefillPlan(index, rows, table, ctx, cached, _Mask(visible.repeat(self.group, 1)[None, None]))
+        return PrefillPlan(index, rows, table, ctx, cached, Mask(visible.repeat(self.group, 1)[None, None]))
 
     def _begin_paged(self, seqs: list[SeqKV], num_new: list[int]) -> None:
         """The kernel's view of the step: tables with compressed entries renumbered into the side
@@ -329,7 +275,7 @@ class PagedAttention:
         table = cast(GatherPlan, plan.table)  # set on every plan without ``native``
         both = self._gather(layer, table).view(2, b, plan.width, hkv, d).transpose(2, 3)
         keys, vals = both[0], self._decode_values(layer, both[1], plan)  # [B, Hkv, S, D]
-        mask = cast(_Mask, plan.mask) if window is None else self._decode_window(plan, window)
+        mask = cast(Mask, plan.mask) if window is None else self._decode_window(plan, window)
         qg = q.view(b, hkv, self.group, d)
         if plan.codes is None:
             out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.additive(q.dtype))
@@ -337,13 +283,13 @@ class PagedAttention:
         out, lse = partial.attend_lse(qg, keys, vals, mask.additive(q.dtype))
         return codes.merge(self.cache, layer, q, plan.codes, out.reshape(b, hq, d), lse.reshape(b, hq))
 
-    def _decode_window(self, plan: DecodePlan, window: int) -> _Mask:
+    def _decode_window(self, plan: DecodePlan, window: int) -> Mask:
         plan.windowed = plan.windowed or {}
         if window not in plan.windowed:
             slots = torch.arange(plan.width, device=plan.lengths.device)[None, :]
             lengths = plan.lengths[:, None]
             visible = (slots < lengths) & (slots >= lengths - window)
-            plan.windowed[window] = _Mask(visible[:, None, None, :])
+            plan.windowed[window] = Mask(visible[:, None, None, :])
         return plan.windowed[window]
 
     def _attend_prefill_window(self, layer: int, p: PrefillPlan, q: Tensor, window: int) -> Tensor:
@@ -358,7 +304,7 @@ class PagedAttention:
             slots = torch.arange(p.ctx, device=dev)[None, :]
             visible = (slots <= query) & (slots > query - window)
             p.windowed[window] = (self.cache.gather_plan(seq.k_blocks[:nb] + seq.v_blocks[:nb]),
-                                  _Mask(visible.repeat(g, 1)[None, None]))
+                                  Mask(visible.repeat(g, 1)[None, None]))
         table, mask = p.windowed[window]
         both = self._gather(layer, table).view(2, -1, hkv, d)[:, : p.ctx].transpose(1, 2)
         keys, vals = both[0][None], self._prefill_values(layer, p, both[1][None])

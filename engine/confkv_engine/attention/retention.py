@@ -30,7 +30,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from confkv_engine.attention.paged import DecodePlan, PagedAttention, PrefillPlan
+from confkv_engine.attention.paged import PagedAttention
+from confkv_engine.attention.plans import DecodePlan, PrefillPlan
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
 
 
