@@ -1,8 +1,8 @@
 """Paged attention backend: writes a step's k/v into the sequences' slots and attends over them.
 
 ``begin_step`` builds everything that depends only on the batch (write indices, gather plans,
-masks: ``attention.plans``) once per step; ``attend`` (called once per layer) is then a handful of tensor ops. The
-step's tokens are the sequences' new tokens flattened in the order given.
+masks: ``attention.plans``) once per step; ``attend`` (called once per layer) is then a handful of
+tensor ops. The step's tokens are the sequences' new tokens flattened in the order given.
 
 - Decode rows (sequences with one new token) are batched: their blocks are gathered, K and V in
   one ``index_select``, into ``[B, S, Hkv, D]`` (S = longest table x block size) and one
