@@ -22,12 +22,12 @@
    team); with fewer pairs than twice the threads (one row: 3 pairs here) each pair's slots are cut
    in parts combined exactly through their maxima and exp sums. The inner loops run on AVX-512
    registers where the CPU has them (head dim a multiple of 16), else on AVX2 + FMA registers (the
-   same head dims, with a vectorised exp; 1.7-2.8x the plain-C clone on an AVX2-only EPYC, 2
-   threads: 59 -> 33 us for one row of 300 fp32 slots at Gemma 3's 4 x 256 heads, 1.02 -> 0.60 ms
-   for 32 rows, 1.65 -> 0.87 ms for 8 rows of 2,048 at SmolLM2's 9 x 64, 246 -> 89 us for 4 bf16
-   rows of 500; static-decode logprobs stay within the test's 1e-5), both in _decode_simd.c, else in
-   plain C compiled for AVX-512, AVX2 and x86-64 (`target_clones`: the loader picks the best the CPU
-   runs). */
+   same head dims; 1.7-2.8x the plain-C clone on an AVX2-only EPYC, 2 threads: 59 -> 33 us for one
+   row of 300 fp32 slots at Gemma 3's 4 x 256 heads, 1.02 -> 0.60 ms for 32 rows, 1.65 -> 0.87 ms
+   for 8 rows of 2,048 at SmolLM2's 9 x 64, 246 -> 89 us for 4 bf16 rows of 500; static-decode
+   logprobs stay within the test's 1e-5), both with the softmax's exps 8 lanes at a time and both in
+   _decode_simd.c, else in plain C compiled for AVX-512, AVX2 and x86-64 (`target_clones`: the
+   loader picks the best the CPU runs). */
 
 #include <stdlib.h>
 
