@@ -152,8 +152,8 @@ def select_h2o(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target:
 
 
 def select_conf_kv(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
-    scoring = replace(cfg.scorer, scale=cfg.scorer.precision_scale) if cfg.uses_precision else cfg.scorer
-    conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, scoring, view.peak)
+    conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer, view.peak,
+                             precision=cfg.uses_precision)
     conf = share_confidence(conf, cfg.tiers.granularity, view.heads)
     if cfg.uses_precision:
         return decide_precision(view.pos, view.tiers, conf, view.length, view.prev_length,
