@@ -64,7 +64,6 @@ class ScriptedEngine:
         outs = []
         for rid, (prompt, params, output) in list(self.seqs.items()):
             if self.stall_after is not None and len(output) >= self.stall_after:
-                time.sleep(0.001)  # a step takes time; an idle spin would starve the event loop's thread
                 continue
             output.append(len(output))
             done = len(output) >= params.max_tokens
@@ -73,6 +72,8 @@ class ScriptedEngine:
                                       finished=done, finish_reason="length" if done else None))
             if done:
                 del self.seqs[rid]
+        if not outs:
+            time.sleep(0.001)  # a step takes time; an idle spin would starve the event loop's thread
         return outs
 
     def stats(self) -> _Stats:
