@@ -14,8 +14,8 @@
 
 #pragma GCC optimize("fp-contract=off")
 /* No FP traps are enabled, so the float-to-int conversion in confkv_expf (../_expf.h) may vectorise:
-   with GCC's default -ftrapping-math it kept the AVX2 clone of the activation scalar (it could raise an FP flag
-   a scalar loop would not). The values are the same either way. */
+   with GCC's default -ftrapping-math it kept the AVX2 clone of the activation scalar (it could raise
+   an FP flag a scalar loop would not). The values are the same either way. */
 #pragma GCC optimize("no-trapping-math")
 
 #include <math.h>

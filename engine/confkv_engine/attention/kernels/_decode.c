@@ -47,6 +47,21 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Each of `rows` rows of `scores` ([rows, len]) replaced by exp(score - its max); stats[2 g] gets
+   row g's max, stats[2 g + 1] the sum of its exps (the caller normalises, once all parts are in). */
+static void softmax_rows(float *scores, int64_t rows, int64_t len, float *stats) {
+    for (int64_t g = 0; g < rows; g++) {
+        float *s = scores + g * len, best = -INFINITY, total = 0.0f;
+        for (int64_t n = 0; n < len; n++) best = s[n] > best ? s[n] : best;
+        for (int64_t n = 0; n < len; n++) {
+            s[n] = expf(s[n] - best);
+            total += s[n];
+        }
+        stats[2 * g] = best;
+        stats[2 * g + 1] = total;
+    }
+}
+
 /* Slots [lo, hi) of (table, head) in order, block by block (no division per slot): calls
    BODY(n, row) with `row` the slot's d values as fp32 (converted into `buf` from bf16). */
 #define FOR_SLOTS(p, table, head, lo, hi, buf, ...)                                               \

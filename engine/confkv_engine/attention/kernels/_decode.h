@@ -1,6 +1,6 @@
 /* The shared parts of the CPU decode attention (_decode.c: the plain-C path and the entry point;
-   _decode_simd.c: the AVX-512 and AVX2 + FMA paths): dtypes, limits, a row's view of the pool, the
-   bf16 conversion and the scalar softmax. Included by those two files only. */
+   _decode_simd.c: the AVX-512 and AVX2 + FMA paths): dtypes, limits, a row's view of the pool and
+   the bf16 conversion. Included by those two files only. */
 
 #ifndef CONFKV_DECODE_H
 #define CONFKV_DECODE_H
@@ -34,21 +34,6 @@ typedef struct {
     int64_t bs, hkv, d;
     int dtype;
 } Pool;
-
-/* Each of `rows` rows of `scores` ([rows, len]) replaced by exp(score - its max); stats[2 g] gets
-   row g's max, stats[2 g + 1] the sum of its exps (the caller normalises, once all parts are in). */
-static inline void softmax_rows(float *scores, int64_t rows, int64_t len, float *stats) {
-    for (int64_t g = 0; g < rows; g++) {
-        float *s = scores + g * len, best = -INFINITY, total = 0.0f;
-        for (int64_t n = 0; n < len; n++) best = s[n] > best ? s[n] : best;
-        for (int64_t n = 0; n < len; n++) {
-            s[n] = expf(s[n] - best);
-            total += s[n];
-        }
-        stats[2 * g] = best;
-        stats[2 * g + 1] = total;
-    }
-}
 
 #ifdef HAVE_SIMD_PATHS
 /* One KV head's `group` query heads over slots [lo, hi), as _decode.c's attend_group: AVX-512 for d

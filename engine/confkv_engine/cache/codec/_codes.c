@@ -157,17 +157,16 @@ static fold_fn pick_fold(const int64_t *klay, const int64_t *vlay, int bs, int D
     if (bs != 16 || klay[L_GROUP] != bs || vlay[L_GROUP] != D || (D != 64 && D != 128 && D != 256))
         return fold_any;
     const int64_t kb = klay[L_BITS], vb = vlay[L_BITS];
-#define PICK(PREFIX, KB, VB)                                                                             \
-    if (kb == KB && vb == VB)                                                                            \
-        return D == 64 ? PREFIX##KB##_##VB##_64 : D == 128 ? PREFIX##KB##_##VB##_128 : PREFIX##KB##_##VB##_256;
+#define PICK(KB, VB) \
+    if (kb == KB && vb == VB) return FOLD_BY_DIM(fold_, KB, VB, D);
 #if CONFKV_VECTOR_FOLDS
     const fold_fn vector = confkv_codes_vector_folds(-1) ? confkv_codes_vector_fold(kb, vb, D) : NULL;
     if (vector) return vector;
 #endif
-    PICK(fold_, 8, 8)
-    PICK(fold_, 4, 4)
-    PICK(fold_, 4, 2)
-    PICK(fold_, 2, 2)
+    PICK(8, 8)
+    PICK(4, 4)
+    PICK(4, 2)
+    PICK(2, 2)
 #undef PICK
     return fold_any;
 }

@@ -165,7 +165,11 @@ typedef void (*fold_fn)(const uint8_t *kblk, const int64_t *klay, const uint8_t 
     FOLD(8, 8, 128) FOLD(4, 4, 128) FOLD(4, 2, 128) FOLD(2, 2, 128)                                      \
     FOLD(8, 8, 256) FOLD(4, 4, 256) FOLD(4, 2, 256) FOLD(2, 2, 256)
 
-/* The vector fold of one shape (_codes_vec.c), NULL for any other. */
+/* The fold PREFIX##KB##_##VB##_##D of a shape with head_dim D in 64 / 128 / 256 (checked by the caller). */
+#define FOLD_BY_DIM(PREFIX, KB, VB, D)                                                                  \
+    ((D) == 64 ? PREFIX##KB##_##VB##_64 : (D) == 128 ? PREFIX##KB##_##VB##_128 : PREFIX##KB##_##VB##_256)
+
+/* The vector fold of one shape (_codes_vec.c; head_dim 64 / 128 / 256), NULL for other bits. */
 CONFKV_HIDDEN fold_fn confkv_codes_vector_fold(int64_t kb, int64_t vb, int D);
 
 #endif

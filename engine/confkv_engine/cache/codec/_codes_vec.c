@@ -93,10 +93,8 @@ INLINE void fold16(const float *restrict kc, const float *restrict ks, const flo
 FOLD_SHAPES(FOLD_VECTOR)
 
 fold_fn confkv_codes_vector_fold(int64_t kb, int64_t vb, int D) {
-#define PICK(KB, VB)                                                                                     \
-    if (kb == KB && vb == VB)                                                                            \
-        return D == 64 ? vfold_##KB##_##VB##_64 : D == 128 ? vfold_##KB##_##VB##_128                     \
-             : D == 256 ? vfold_##KB##_##VB##_256 : NULL;
+#define PICK(KB, VB) \
+    if (kb == KB && vb == VB) return FOLD_BY_DIM(vfold_, KB, VB, D);
     PICK(8, 8)
     PICK(4, 4)
     PICK(4, 2)
