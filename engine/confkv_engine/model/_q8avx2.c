@@ -6,9 +6,9 @@
    groups of 32 by the loader) or, with groups of 16, in -32..31 (Q6_K's sub-blocks), flagged at
    packing (q8native.pack). AVX2 has no u8 x s8 dot into
    int32 (VNNI's dpbusd); its maddubs adds two u8 x s8 products into a saturating int16, so
-   full-range int8 weights take the sign trick, maddubs(|a|, sign(w, a)), and widen every chunk with
-   madd: nine vector operations per row and chunk of 4 x 16 products, most of them on the two pipes
-   that multiply. A narrow code plus 16 is unsigned and at most 31, so maddubs(q + 16, a) needs no
+   full-range int8 weights take the sign trick, maddubs(|w|, sign(a, w)) with |w| taken once per chunk
+   for every row, and widen every chunk with madd: eight vector operations per row and chunk of
+   4 x 16 products, four of them on the two pipes that multiply. A narrow code plus 16 is unsigned and at most 31, so maddubs(q + 16, a) needs no
    sign trick, and eight such products (four chunks: half a group) add up in int16 without overflow
    (8 x 31 x 127 = 31,496 < 32,767): per row and chunk two maddubs and two int16 adds, one widening
    per half group (Q6_K: q + 32, at most 63, two chunks per int16 round). The offset adds 16 (32) x
@@ -129,8 +129,11 @@ static void tile_narrow(const W8 *w, int64_t b, const Acts8 *a, int64_t r0, int 
 }
 
 /* One block (16 outputs, two registers of 8) by `rows` activation rows, `wg` as W8's (both
-   constants once inlined). Sign trick: maddubs(|a|, sign(w, a)) pairs stay within int16
-   (2 * 127 * 127), so there is no unsigned flip to take out. */
+   constants once inlined). Sign trick: maddubs(|w|, sign(a, w)) pairs stay within int16 (2 x 128 x 127:
+   a -128 code's |w| reads 128 unsigned, and the activations' codes are within -127..127), so there is
+   no unsigned flip to take out. |w| is the weights' (one per chunk, shared by the rows), where the
+   |a| of the tile before was taken per row and chunk: 0.96-0.97x the time on a 16,384 x 640 Q8_0
+   slice at 32-256 rows under the AVX2 emulation (docs/performance.md, "Kernels per CPU"). */
 static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t b, const Acts8 *a,
                                                             int64_t r0, const int rows, const int wg,
                                                             __m256 out[2][RT]) {
@@ -147,12 +150,12 @@ static inline __attribute__((always_inline)) void avx2_body(const W8 *w, int64_t
             for (int64_t c = g * 8 + h * span; c < g * 8 + (h + 1) * span; c++) {
                 const __m256i w0 = _mm256_loadu_si256((const __m256i *)chunk(w, b, c));
                 const __m256i w1 = _mm256_loadu_si256((const __m256i *)(chunk(w, b, c) + 32));
+                const __m256i w0abs = _mm256_abs_epi8(w0), w1abs = _mm256_abs_epi8(w1);
                 _Pragma("GCC unroll 8")
                 for (int r = 0; r < rows; r++) {
                     const __m256i av = _mm256_set1_epi32(load4(a->q + (r0 + r) * k + c * 4));
-                    const __m256i aabs = _mm256_abs_epi8(av);
-                    const __m256i p0 = _mm256_maddubs_epi16(aabs, _mm256_sign_epi8(w0, av));
-                    const __m256i p1 = _mm256_maddubs_epi16(aabs, _mm256_sign_epi8(w1, av));
+                    const __m256i p0 = _mm256_maddubs_epi16(w0abs, _mm256_sign_epi8(av, w0));
+                    const __m256i p1 = _mm256_maddubs_epi16(w1abs, _mm256_sign_epi8(av, w1));
                     dot[0][r] = _mm256_add_epi32(dot[0][r], _mm256_madd_epi16(p0, ones));
                     dot[1][r] = _mm256_add_epi32(dot[1][r], _mm256_madd_epi16(p1, ones));
                 }
