@@ -76,7 +76,8 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     if f is not None and args.budget_basis == "peak":  # f x the window's full cache, at every length
         size = 1024 if args.quick else 2048
         return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget_tokens=round(f * size))
-    return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f)
+    basis = "final" if args.budget_basis == "final" else "length"
+    return RetentionConfig(policy=policy, tiers=tiers, scorer=scorer_cfg, budget=f, budget_basis=basis)
 
 
 class OfflineRunner:
@@ -216,10 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiers", default=None, help="precision tiers of the conf-kv+tiers rows, e.g. int4,int2")
     ap.add_argument("--tier-loss", type=_floats, default=TierConfig.precision_loss,
                     help="relative loss of int8,int4,int2 tokens in the budget walk")
-    ap.add_argument("--budget-basis", choices=("length", "peak"), default="length",
-                    help="length: f x the full cache at the current length (the served kv_budget); peak: "
-                         "f x the full cache of the whole window at every length (kv_budget_tokens), "
-                         "the basis of the kivi peers' measured bytes")
+    ap.add_argument("--budget-basis", choices=("length", "final", "peak"), default="length",
+                    help="length: f x the full cache at the current length (the served kv_budget with "
+                         "budgetBasis length, the tuning tables' basis); final: f x the full cache at the "
+                         "request's final length (the served default, budgetBasis final; a window is one "
+                         "prompt-only request); peak: f x the full cache of a 2,048-token window at every "
+                         "length (kv_budget_tokens), the basis of the kivi peers' measured bytes")
     ap.add_argument("--tier-window-fraction", type=float, default=TierConfig.precision_window_fraction,
                     help="recent-window share of the budget for the conf-kv+tiers rows")
     ap.add_argument("--tier-last-below", type=float, default=TierConfig.last_tier_below,

@@ -217,6 +217,10 @@ class ConfKVSection(_Model):
     budget: float | None = Field(default=None, gt=0.0, le=1.0)
     budget_tokens: int | None = Field(default=None, ge=16, le=MAX_TOKENS)
     budget_mode: Literal["always", "pressure"] = "always"
+    # What `budget` is a fraction of: the full cache at the request's final length (prompt + max_tokens),
+    # the bytes admission reserves for it, held from its first token ("final"), or at its current length
+    # ("length": the reservation is filled only as the sequence grows). docs/retention.md, "Budget basis".
+    budget_basis: Literal["final", "length"] = "final"
     # conf-kv's kept tiers, highest first (DISCARD implied). The default ["full", "int4", "k4v2", "int2"]
     # lets confidence choose each token's precision (docs/retention.md, Precision tiers): decode attends the
     # frozen blocks from their codes at about the full policy's step cost, and it keeps far more quality

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     suffix = "_quick" if args.quick else ""
     suffix += "_tune" if args.tune else ""
-    suffix += "_peak" if args.budget_basis == "peak" else ""
+    suffix += f"_{args.budget_basis}" if args.budget_basis != "length" else ""
     suffix += f"_served_{args.served_text}" if args.served_text else ""
     out = Path(args.out) if args.out else RESULTS / f"kv_quality{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = EngineRunner(loaded, args.kv_cache_dtype, args.interval, args.rotate)
     elif args.rotate != "none":
         raise SystemExit("--rotate needs the engine runner")
+    elif args.budget_basis == "final":  # the offline driver does not know a request's final length
+        raise SystemExit("--budget-basis final needs the engine runner")
     else:
         runner = OfflineRunner(loaded, args.kv_cache_dtype, args.interval)
     data = load_results(out)

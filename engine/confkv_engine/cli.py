@@ -60,6 +60,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "kv_policy": ("confkv", "kv_policy"),
     "kv_budget": ("confkv", "budget"),
     "kv_budget_tokens": ("confkv", "budget_tokens"),
+    "kv_budget_basis": ("confkv", "budget_basis"),
     "kv_tiers": ("confkv", "tiers"),
 }
 
@@ -130,6 +131,10 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add("--kv-policy", choices=["full", "streaming", "h2o", "conf-kv"], help="KV retention policy")
     add("--kv-budget", type=float, metavar="F", help="per-sequence KV budget, fraction of the full cache")
     add("--kv-budget-tokens", type=int, metavar="N", help="per-sequence KV budget in tokens")
+    add("--kv-budget-basis", choices=["final", "length"],
+        help="what --kv-budget is a fraction of: the full cache at the request's final length, prompt + "
+             "max_tokens, held from its first token (final, default: what admission reserves) or at its "
+             "current length (length)")
     add("--kv-tiers", type=_tier_list, metavar="T,T",
         help="conf-kv's kept tiers, highest first: full,int4,k4v2,int2 (default; precision tiers; k4v2: "
              "int4 keys, int2 values) or full,key_only (the default with an int8 or fp8 --kv-cache-dtype)")

@@ -42,7 +42,7 @@ def run_checking(eng: LLMEngine, tokens: list[int], f: float, params: SamplingPa
             acct = st.acct
             chunk = acct.held_bytes(interval, interval) - acct.fixed_bytes
             floor = acct.held_bytes(4 + interval, 4 + interval)
-            budget = f * acct.full_bytes(seq.num_computed)
+            budget = f * acct.full_bytes(st.basis_length(seq.num_computed))  # final: prompt + max_tokens
             # A decision leaves room for the next chunk: the budget itself holds, not budget + chunk,
             # wherever it is above the floor plus that chunk.
             if budget >= floor + chunk:
@@ -109,3 +109,33 @@ def test_budget_in_tokens_scales_the_window(loaded) -> None:
     kept = final.kv_usage.tokens_full + final.kv_usage.tokens_key_only
     assert kept <= 128 + 32  # one decision chunk over the budget at most
     assert final.kv_usage.effective_kv_budget == pytest.approx(128 / 491, abs=0.02)
+
+
+
+def test_final_budget_basis_holds_what_admission_reserves_from_the_first_token(loaded) -> None:
+    """The default basis takes the budget at prompt + max_tokens at every step, so the sequence holds
+    what admission reserved for it from early on; the length basis holds f x what it has so far (down
+    to its floor). Both stay within the reservation and end at the same budget."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    held, dropped, usage = {}, {}, {}
+    for basis in ("final", "length"):
+        eng = default_engine(loaded, budget=0.25, budgetBasis=basis)
+        eng.add_request("r", prompt(400), params)
+        reserved = eng.retention.reserve_blocks(eng.retention.defaults, 404) * eng.cache.spec.block_bytes
+        held[basis], dropped[basis] = {}, {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                usage[basis] = out.kv_usage
+            for seq in eng.scheduler.running:
+                n, st = seq.num_computed, seq.policy_state
+                held[basis][n] = eng.retention.held_bytes(seq.kv, st)
+                dropped[basis][n] = st.tier_counts(n)[2]
+        assert max(held[basis].values()) <= reserved, basis
+        assert usage[basis].peak_kv_bytes <= reserved
+    # This tiny model's tokens all fit at int4 under 0.25 x 256 tokens' bytes; past that the length
+    # basis drops tokens, the final one holds them until its reservation (0.25 x 404 tokens) is full.
+    mid = [n for n in held["final"] if 272 <= n <= 304]
+    assert mid and all(dropped["final"][n] == 0 < dropped["length"][n] for n in mid), (dropped, mid)
+    assert all(held["final"][n] > held["length"][n] for n in mid), (held, mid)
+    assert usage["final"].effective_kv_budget == pytest.approx(0.25, abs=0.01)
+    assert usage["length"].effective_kv_budget == pytest.approx(0.25, abs=0.01)

@@ -28,7 +28,9 @@ TIERS = TierConfig(window=CHUNK, medium=0.3, key_only=False, precisions=("int4",
 def tiered(f: float, scale: float | None = None, **changes) -> RetentionConfig:
     """``scale``: the precision chain's confidence scale (None: the default)."""
     scoring = ScorerConfig() if scale is None else ScorerConfig(precision_scale=scale)
-    return RetentionConfig(policy="conf-kv", tiers=replace(TIERS, **changes), budget=f, scorer=scoring)
+    # The length basis: the budget binds from early on, so a short request passes through every tier.
+    return RetentionConfig(policy="conf-kv", tiers=replace(TIERS, **changes), budget=f, scorer=scoring,
+                           budget_basis="length")
 
 
 def walk_bytes(state) -> int:
@@ -62,7 +64,7 @@ def test_pool_bytes_equal_the_budget_walk_after_every_step(loaded, f: float, cha
             assert held == walk_bytes(st), seq.num_computed
             floor = st.acct.held_bytes(4 + CHUNK, 4 + CHUNK)
             slack = st.acct.held_bytes(CHUNK, CHUNK)
-            assert held <= max(f * st.acct.full_bytes(seq.num_computed), floor + slack)
+            assert held <= max(f * st.acct.full_bytes(st.basis_length(seq.num_computed)), floor + slack)
             frozen_seen = max(frozen_seen, st.frozen)
             tiers_seen.update(name for name, n in st.precision_counts().items() if n)
             # Frozen blocks are compressed handles in both tables; the rest are pool blocks.

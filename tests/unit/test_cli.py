@@ -51,6 +51,13 @@ def test_kv_tiers_default_to_the_precision_chain_and_follow_a_coded_cache() -> N
         _config(["--kv-cache-dtype", "int8", "--kv-tiers", "full,int4,int2"])
 
 
+def test_kv_budget_basis_flag_defaults_to_the_final_length() -> None:
+    assert _config(["--kv-budget", "0.25"]).confkv.budget_basis == "final"
+    assert _config(["--kv-budget", "0.25", "--kv-budget-basis", "length"]).confkv.budget_basis == "length"
+    with pytest.raises(SystemExit):  # argparse refuses a basis it does not know (exit 2, usage)
+        _config(["--kv-budget-basis", "peak"])
+
+
 def test_enforce_eager_turns_cuda_graphs_off(tmp_path: Path) -> None:
     assert _config([]).engine.cuda_graphs is True
     assert _config(["--enforce-eager"]).engine.cuda_graphs is False

@@ -21,7 +21,7 @@ EVICTION_FIELD = "confkv.eviction"
 SIZE_FIELD = "confkv.maxCacheSize"
 #: Fields the retention manager reads when a request is admitted: live (running requests keep theirs).
 RETENTION_FIELDS = ("confkv.kvPolicy", "confkv.confidenceThresholds", "confkv.sinks", "confkv.window",
-                    "confkv.budget", "confkv.budgetTokens", "confkv.budgetMode")
+                    "confkv.budget", "confkv.budgetTokens", "confkv.budgetMode", "confkv.budgetBasis")
 #: The live compression settings (enabled, bits, groupSize, coldAfterSeconds).
 COMPRESSION_FIELD = "confkv.compression"
 

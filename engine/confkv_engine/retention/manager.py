@@ -71,7 +71,8 @@ def config_from_section(section: ConfKVSection, interval: int,
                          precision_group=section.compression.group_size,
                          precision_window=TierConfig.precision_window if section.window is None else window),
         scorer=scorer_cfg or scorer.ScorerConfig(),
-        budget=section.budget, budget_tokens=section.budget_tokens, budget_mode=section.budget_mode))
+        budget=section.budget, budget_tokens=section.budget_tokens, budget_mode=section.budget_mode,
+        budget_basis=section.budget_basis))
 
 
 class RetainedRequest(Protocol):
@@ -198,10 +199,11 @@ class RetentionManager:
         full = seq.retention is None or seq.retention.policy == "full"
         return None if full else self.interval_for(seq.retention)
 
-    def new_state(self, cfg: RetentionConfig, shared_slots: int = 0,
-                  protect: int = 0) -> RetentionState | None:
+    def new_state(self, cfg: RetentionConfig, shared_slots: int = 0, protect: int = 0,
+                  max_len: int | None = None) -> RetentionState | None:
         """A fresh state. ``shared_slots``: the sequence's first slots, shared through the prefix cache
-        (immutable); ``protect``: positions kept FULL (the prefix shared at first admission)."""
+        (immutable); ``protect``: positions kept FULL (the prefix shared at first admission);
+        ``max_len``: the request's final length (prompt + max_tokens), the final budget basis's."""
         if cfg.policy == "full":
             return None
         spec = self.cache.spec
@@ -210,14 +212,14 @@ class RetentionManager:
                               num_layers=spec.num_layers,
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, group=self.group,
                               interval=self.interval_for(cfg), base=shared_slots,
-                              protect=max(protect, shared_slots))
+                              protect=max(protect, shared_slots), max_len=max_len)
 
     def prepare(self, seq: RetainedRequest) -> RetentionState | None:
         """The state of a request about to run; a fresh one when it (re)starts (first run, or replay
         after preemption, which drops the state: the replay recomputes every decision under the same
         config and the same protected prefix)."""
         if seq.policy_state is None and seq.retention is not None:
-            seq.policy_state = self.new_state(seq.retention, seq.kv.num_slots, seq.prefix_len)
+            seq.policy_state = self.new_state(seq.retention, seq.kv.num_slots, seq.prefix_len, seq.max_len)
         return seq.policy_state
 
     def usage(self, seq: RetainedRequest) -> KVUsage:

@@ -29,12 +29,21 @@ from confkv_engine.retention.precision import decide_precision
 from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig, decide_tiers, share_confidence
 
 POLICY_NAMES = ("full", "streaming", "h2o", "conf-kv", "conf-kv-discard")
+BUDGET_BASES = ("final", "length")
 
 
 @dataclass(frozen=True)
 class RetentionConfig:
     """What a sequence's retention does. ``budget``: fraction of the full cache's bytes;
-    ``budget_tokens``: bytes of that many full tokens; neither: no budget (thresholds only)."""
+    ``budget_tokens``: bytes of that many full tokens; neither: no budget (thresholds only).
+
+    ``budget_basis``: the length whose full cache ``budget`` is a fraction of. "final" (default): the
+    request's final length, prompt + max_tokens, at every step: the bytes admission reserves for it
+    (``RetentionManager.reserve_blocks``), which it may hold from its first token. "length": the
+    current length, so a sequence holds ``budget`` x what it has so far and the rest of its
+    reservation sits unused until it grows (the basis of the tuning tables; docs/retention.md,
+    "Budget basis"). A state that does not know its final length (the offline drivers) takes the
+    current one."""
 
     policy: str = "full"
     tiers: TierConfig = field(default_factory=TierConfig)
@@ -42,6 +51,7 @@ class RetentionConfig:
     budget: float | None = None
     budget_tokens: int | None = None
     budget_mode: str = "always"
+    budget_basis: str = "final"
     # Per-decision budget from the model's uncertainty (None: the fixed budget). Only acts with a
     # budget; see ``retention.budget``.
     schedule: BudgetSchedule | None = None
@@ -55,6 +65,9 @@ class RetentionConfig:
             raise ValueError("set at most one of budget and budget_tokens")
         if self.budget_mode not in ("always", "pressure"):
             raise ValueError(f"budget mode must be 'always' or 'pressure', got {self.budget_mode!r}")
+        if self.budget_basis not in BUDGET_BASES:
+            choices = ", ".join(BUDGET_BASES)
+            raise ValueError(f"budget basis must be one of {choices}, got {self.budget_basis!r}")
         if self.policy in ("streaming", "h2o") and self.budget is None and self.budget_tokens is None:
             raise ValueError(f"kv policy {self.policy!r} needs a budget (kv_budget or kv_budget_tokens)")
         if not self.policy.startswith("conf-kv") and self.tiers.precisions:

@@ -125,6 +125,7 @@ class RetentionState:
     frozen: int = 0  # slots [base, base + frozen): whole blocks of precision tiers (compressed)
     # Tensor parallelism: this rank holds some KV heads; decisions see every rank's (see ``decide``).
     shards: HeadShards | None = None
+    max_len: int | None = None  # the request's final length (``RetentionConfig.budget_basis``)
 
     def __post_init__(self) -> None:
         self.slots = SlotColumns(self.num_layers, self.num_kv_heads, self.base, self.base + self.interval)
@@ -294,15 +295,23 @@ class RetentionState:
         if cfg.budget_mode == "pressure" and not under_pressure:
             return budget_target(self.acct, length, None, None, 0)
         protected = min(length, cfg.tiers.floor_tokens)
-        return budget_target(self.acct, length, cfg.budget, cfg.budget_tokens, protected)
+        return budget_target(self.acct, self.basis_length(length), cfg.budget, cfg.budget_tokens, protected)
+
+    def basis_length(self, length: int) -> int:
+        """The length whose full cache a fractional budget is taken of (``budget_basis``)."""
+        if self.cfg.budget_basis == "final" and self.max_len is not None:
+            return max(length, self.max_len)
+        return length
 
     def effective_budget(self, length: int) -> float | None:
         """What the budget allows at ``length`` (under pressure, if it waits for it) over the full
-        cache's bytes: the requested fraction unless the floor raised it; None without a budget."""
+        cache's bytes at the basis length (``basis_length``): the requested fraction unless the floor
+        raised it; None without a budget."""
         cfg = self.cfg
         if (cfg.budget is None and cfg.budget_tokens is None) or length <= 0:
             return None
-        return round(self.target_bytes(length, under_pressure=True) / self.acct.full_bytes(length), 4)
+        full = self.acct.full_bytes(self.basis_length(length))
+        return round(self.target_bytes(length, under_pressure=True) / full, 4)
 
     def decision_target(self, length: int, under_pressure: bool) -> int:
         """What a decision at ``length`` fits the sequence into (before a budget schedule moves it):
