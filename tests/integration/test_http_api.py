@@ -231,7 +231,8 @@ def test_echo_logprobs_under_retention_equal_the_benchmark_in_process(server: En
 
     loaded = load_model("builtin:smollm2-135m", torch.float32, "cpu")
     tokens = kvq.pydoc_tokens(loaded.tokenizer)[:300]
-    cfg = kvq.make_config("conf-kv", 0.5, kvq.parse_args([]))  # the benchmark's conf-kv: FULL / KEY_ONLY
+    # The benchmark's conf-kv (FULL / KEY_ONLY) under the server's budget basis.
+    cfg = kvq.make_config("conf-kv", 0.5, kvq.parse_args(["--budget-basis", "final"]))
     ref = kvq.EngineRunner(loaded, "float32").run(cfg, tokens)  # the server caches at auto = fp32
     body = {"prompt": tokens, "max_tokens": 0, "echo": True, "logprobs": 1,
             "kv_policy": "conf-kv", "kv_budget": 0.5, "kv_tiers": ["full", "key_only"]}
