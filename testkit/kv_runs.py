@@ -57,6 +57,7 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     decay = args.h2o_decay if policy == "h2o" else args.decay
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale, precision_scale=args.precision_scale,
+                              precision_decay=args.precision_decay,
                               pool=args.pool if policy.startswith("conf-kv") else 1,
                               memory=args.memory if policy.startswith("conf-kv") else 0.0,
                               memory_distance=args.memory_distance, memory_decay=args.memory_decay,
@@ -200,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--h2o-decay", type=float, default=H2O_DECAY, help="H2O's own best decay (tuning set)")
     ap.add_argument("--key-share", type=float, default=None, help="KEY_ONLY share under the budget")
     ap.add_argument("--sampling-weight", type=float, default=ScorerConfig.sampling_weight)
-    ap.add_argument("--decay", type=float, default=ScorerConfig.decay)
+    ap.add_argument("--decay", type=float, default=ScorerConfig.decay, help="conf-kv without precision tiers")
+    ap.add_argument("--precision-decay", type=float, default=ScorerConfig.precision_decay,
+                    help="conf-kv with precision tiers (the conf-kv+tiers rows)")
     ap.add_argument("--scale", type=float, default=ScorerConfig.scale, help="conf-kv without precision tiers")
     ap.add_argument("--precision-scale", type=float, default=ScorerConfig.precision_scale,
                     help="conf-kv with precision tiers (the conf-kv+tiers rows)")

@@ -93,6 +93,11 @@ class RetentionConfig:
         """conf-kv choosing precisions (int8/int4/k4v2/int2) besides FULL and DISCARD."""
         return self.policy.startswith("conf-kv") and bool(self.tiers.precisions)
 
+    @property
+    def decay(self) -> float:
+        """The attention signal's decay per query position: the precision chain's own, else the scorer's."""
+        return self.scorer.precision_decay if self.uses_precision else self.scorer.decay
+
     def recent_window(self, acct: KVAccounting, target: int, limit: int | None = None) -> int:
         """conf-kv's always-FULL window: grows with the budget when one is set (window_fraction).
         ``limit`` (``window_limit``) keeps its start from moving back over tokens already tiered."""

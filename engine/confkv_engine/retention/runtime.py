@@ -218,13 +218,13 @@ class RetentionState:
         """Fold probs into the accumulators (and the peak) of ``layers``; returns the new last query."""
         s, query_pos = probs.shape[-1], query_pos.long()
         m = scorer.attention_mass(probs, self.pos[layers, :, :s], query_pos,
-                                  scorer.query_weights(query_pos, self.cfg.scorer.decay), self.peak_filter)
+                                  scorer.query_weights(query_pos, self.cfg.decay), self.peak_filter)
         return self._fold_mass(layers, m, query_pos, last)
 
     def _fold_mass(self, layers: int | slice, m: scorer.AttentionMass, query_pos: Tensor, last: int) -> int:
         s = m.mass.shape[-1]
         new = scorer.fold_mass(self.acc[layers, :, :s], self.norm[layers, :, :s], m, int(query_pos[-1]), last,
-                               self.cfg.scorer.decay)
+                               self.cfg.decay)
         if self.cfg.remembers:
             fade = self.cfg.scorer.memory_decay ** (new - last) if last >= 0 else 1.0
             scorer.raise_peak(self.peak[layers, :, :s], m, self.group, fade)

@@ -59,8 +59,12 @@ class ScorerConfig:
     # in the attention up to a few times uniform. Four tuning windows per text, both budgets: 3 and 4
     # beat 0.3 in all four cells (4 by the most), 5 in three (the fourth lost by 0.06 point), 1, 2 and
     # 10 lost a cell each by more (docs/notes/retention-journal.md, "A scale for the budget walk"). The FULL /
-    # KEY_ONLY chain's thresholds keep ``scale`` (at 5 it lost prose at 0.25 by 10 points).
-    precision_scale: float = 4.0
+    # KEY_ONLY chain's thresholds keep ``scale`` (at 5 it lost prose at 0.25 by 10 points). Under the
+    # final budget basis 2, with ``precision_decay`` 1, won all four cells (journal, "The budget basis").
+    precision_scale: float = 2.0
+    # The precision chain's own ``decay`` (the other chains keep 0.999): 1, a plain mean over every
+    # query since the token, with scale 2 won all four tuning cells under the final budget basis.
+    precision_decay: float = 1.0
     # Max-pool the attention signal over this many neighbouring slots (1: off). Keeps the
     # neighbours of a heavily attended token, so spans survive rather than isolated tokens.
     pool: int = 1
@@ -86,8 +90,9 @@ class ScorerConfig:
             raise ValueError(f"unknown sampling kind {self.sampling_kind!r}")
         if not 0.0 <= self.sampling_weight <= 1.0:
             raise ValueError(f"sampling_weight must be in [0, 1], got {self.sampling_weight}")
-        if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if not (0.0 < self.decay <= 1.0 and 0.0 < self.precision_decay <= 1.0):
+            raise ValueError(f"decay and precision_decay must be in (0, 1], got {self.decay}, "
+                             f"{self.precision_decay}")
         if self.scale <= 0 or self.precision_scale <= 0:
             raise ValueError(f"scale and precision_scale must be > 0, got {self.scale}, "
                              f"{self.precision_scale}")

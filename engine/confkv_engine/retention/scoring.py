@@ -72,7 +72,7 @@ def _fold_native(cache: KVCache, seq: SeqKV, state: RetentionState) -> None:
         return
     queries, q_pos = recorded
     q_pos = q_pos.long()
-    weights = scorer.query_weights(q_pos, state.cfg.scorer.decay)
+    weights = scorer.query_weights(q_pos, state.cfg.decay)
     n, parts = state.num_slots, []
     for layers, scores in _score_chunks(cache, seq, state, queries):
         key_pos = state.pos[layers.start:layers.stop].reshape(-1, n)
