@@ -8,8 +8,8 @@
    int32 (VNNI's dpbusd); its maddubs adds two u8 x s8 products into a saturating int16, so
    full-range int8 weights take the sign trick, maddubs(|w|, sign(a, w)) with |w| taken once per chunk
    for every row, and widen every chunk with madd: eight vector operations per row and chunk of
-   4 x 16 products, four of them on the two pipes that multiply. A narrow code plus 16 is unsigned and at most 31, so maddubs(q + 16, a) needs no
-   sign trick, and eight such products (four chunks: half a group) add up in int16 without overflow
+   4 x 16 products, four of them on the two pipes that multiply. A narrow code plus 16 is unsigned
+   and at most 31, so maddubs(q + 16, a) needs no sign trick, and eight such products (four chunks: half a group) add up in int16 without overflow
    (8 x 31 x 127 = 31,496 < 32,767): per row and chunk two maddubs and two int16 adds, one widening
    per half group (Q6_K: q + 32, at most 63, two chunks per int16 round). The offset adds 16 (32) x
    (sum of the codes) to each group's dot, taken out in int32 from the activations' ``isum``

@@ -94,6 +94,11 @@ class RetentionConfig:
         return self.policy.startswith("conf-kv") and bool(self.tiers.precisions)
 
     @property
+    def scale(self) -> float:
+        """The attention confidence's scale: the precision chain's own, else the scorer's."""
+        return self.scorer.precision_scale if self.uses_precision else self.scorer.scale
+
+    @property
     def decay(self) -> float:
         """The attention signal's decay per query position: the precision chain's own, else the scorer's."""
         return self.scorer.precision_decay if self.uses_precision else self.scorer.decay
@@ -171,7 +176,7 @@ def select_h2o(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target:
 
 def select_conf_kv(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
     conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer, view.peak,
-                             precision=cfg.uses_precision)
+                             scale=cfg.scale)
     conf = share_confidence(conf, cfg.tiers.granularity, view.heads)
     if cfg.uses_precision:
         return decide_precision(view.pos, view.tiers, conf, view.length, view.prev_length,

@@ -271,15 +271,16 @@ def combine(c_att: Tensor, c_samp: Tensor, config: ScorerConfig) -> Tensor:
 
 def confidence(
     acc: Tensor, norm: Tensor, c_samp: Tensor, context_len: int, group: int, config: ScorerConfig,
-    peak: Tensor | None = None, precision: bool = False,
+    peak: Tensor | None = None, scale: float | None = None,
 ) -> Tensor:
     """Combined retention confidence for [U, S] cached keys; ``c_samp`` [S] or [U, S]; ``peak``
-    [U, S] (``update_peak``) is read when ``config.memory`` is on; ``precision``: for the precision
-    chain, at its own scale (``ScorerConfig.precision_scale``)."""
+    [U, S] (``update_peak``) is read when ``config.memory`` is on; ``scale``: the attention
+    confidence's scale (None: ``config.scale``; the precision chain passes its own,
+    ``RetentionConfig.scale``)."""
     att = attention_signal(acc, norm)
     if peak is not None and config.memory > 0:  # in att's units: att * L / G >= memory * peak
         att = torch.maximum(att, peak.to(att.dtype) * (config.memory * group / max(context_len, 1)))
     att = pool_signal(att, config.pool)
-    scale = config.precision_scale if precision else config.scale
+    scale = config.scale if scale is None else scale
     c_att = attention_confidence(att, context_len, group, scale)
     return combine(c_att, c_samp, config).clamp(0.0, 1.0)
