@@ -19,7 +19,8 @@ into the gathered table (``from_codes=False``), its peer, e.g.
 ``--interleave`` prefills every variant's engine first, then takes one decode step of each in turn:
 on a shared machine a slow stretch then falls on every variant alike, and ``paired_vs_full`` (the
 median over rounds of a variant's step over ``full``'s in the same round) is steadier than a ratio of
-medians taken minutes apart. ``mean_ms`` includes the decision steps a median leaves out.
+medians taken minutes apart. ``mean_ms`` includes the decision steps a median leaves out;
+``prefill_ms`` is each engine's prefill of the batch (one variant after another, not in turn).
 
 ``--retention-args`` passes ``bench.quality.kv_quality`` flags to every variant (e.g. another chain:
 ``--retention-args "--tiers int4,int2 --tier-window 8"``). ``--out NAME`` writes
@@ -50,7 +51,7 @@ OUT = Path(__file__).resolve().parents[1] / "results" / "micro" / "decode_step.j
 def prefilled(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place: bool,
               retention_args: str = ""):
     """An engine of ``variant`` with ``batch`` prompts of ``seq_len`` tokens prefilled and ``WARMUP``
-    decode steps taken, room for ``steps`` more."""
+    decode steps taken, room for ``steps`` more; and the prefill's wall time (ms)."""
     from confkv_engine.attention.retention import RetentionAttention
     from confkv_engine.core.engine import LLMEngine
 
@@ -67,11 +68,13 @@ def prefilled(loaded, variant: str, batch: int, seq_len: int, steps: int, in_pla
     for i in range(batch):
         start = (i * seq_len) % max(1, len(tokens) - seq_len)
         eng.add_request(f"p{i}", tokens[start:start + seq_len], greedy(steps + WARMUP + 2))
+    t0 = time.perf_counter()
     while not all(s.num_computed >= s.prompt_len for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
+    prefill_ms = (time.perf_counter() - t0) * 1e3
     for _ in range(WARMUP):
         eng.step()
-    return eng
+    return eng, prefill_ms
 
 
 def timed_step(eng) -> float:
@@ -82,7 +85,7 @@ def timed_step(eng) -> float:
 
 def step_ms(loaded, variant: str, batch: int, seq_len: int, steps: int, in_place: bool,
             retention_args: str = "") -> float:
-    eng = prefilled(loaded, variant, batch, seq_len, steps, in_place, retention_args)
+    eng, _ = prefilled(loaded, variant, batch, seq_len, steps, in_place, retention_args)
     return round(statistics.median(timed_step(eng) for _ in range(steps)), 1)
 
 
@@ -90,8 +93,10 @@ def interleaved(loaded, variants: list[str], batch: int, seq_len: int, steps: in
                 retention_args: str = "") -> list[dict]:
     """Every variant's engine prefilled, then their decode steps taken in turn (one step of each per
     round), so a slow stretch of a shared machine falls on all of them: per variant the median step,
-    the mean with decision steps included, and the median over rounds of its step over ``full``'s."""
-    engines = [prefilled(loaded, v, batch, seq_len, steps, in_place, retention_args) for v in variants]
+    the mean with decision steps included, and the median over rounds of its step over ``full``'s;
+    and the wall time of its prefill (taken one variant after another, not in turn)."""
+    engines, prefill = zip(*(prefilled(loaded, v, batch, seq_len, steps, in_place, retention_args)
+                             for v in variants), strict=True)
     times: list[list[float]] = [[] for _ in variants]
     for _ in range(steps):
         for eng, t in zip(engines, times, strict=True):
@@ -99,8 +104,9 @@ def interleaved(loaded, variants: list[str], batch: int, seq_len: int, steps: in
     full = times[variants.index("full")]
     return [{"variant": v, "median_ms": round(statistics.median(t), 1),
              "mean_ms": round(statistics.mean(t), 1),
-             "paired_vs_full": round(statistics.median(a / b for a, b in zip(t, full, strict=True)), 3)}
-            for v, t in zip(variants, times, strict=True)]
+             "paired_vs_full": round(statistics.median(a / b for a, b in zip(t, full, strict=True)), 3),
+             "prefill_ms": round(p)}
+            for v, t, p in zip(variants, times, prefill, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
