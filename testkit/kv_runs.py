@@ -58,6 +58,8 @@ def make_config(policy: str, f: float | None, args: argparse.Namespace,
     scorer_cfg = ScorerConfig(mode=mode or args.score_mode, sampling_weight=args.sampling_weight,
                               decay=decay, scale=args.scale, precision_scale=args.precision_scale,
                               precision_decay=args.precision_decay,
+                              precision_sampling_weight=args.precision_sampling_weight,
+                              sampling_kind=args.sampling_kind,
                               pool=args.pool if policy.startswith("conf-kv") else 1,
                               memory=args.memory if policy.startswith("conf-kv") else 0.0,
                               memory_distance=args.memory_distance, memory_decay=args.memory_decay,
@@ -207,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scale", type=float, default=ScorerConfig.scale, help="conf-kv without precision tiers")
     ap.add_argument("--precision-scale", type=float, default=ScorerConfig.precision_scale,
                     help="conf-kv with precision tiers (the conf-kv+tiers rows)")
+    ap.add_argument("--precision-sampling-weight", type=float, default=ScorerConfig.precision_sampling_weight,
+                    help="conf-kv with precision tiers: the sampling signal's weight in the confidence")
+    ap.add_argument("--sampling-kind", default=ScorerConfig.sampling_kind,
+                    choices=("surprise", "entropy", "margin"),
+                    help="conf-kv: what the sampling confidence reads")
     ap.add_argument("--pool", type=int, default=ScorerConfig.pool)
     ap.add_argument("--memory", type=float, default=ScorerConfig.memory,
                     help="conf-kv: weight of each token's remembered attention peak (0: off)")

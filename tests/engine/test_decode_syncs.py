@@ -1,7 +1,8 @@
 """Host synchronisations per decode step, counted on this CPU (``testkit/drivers/sync_count.py`` says
 how): outside decision steps a ``full`` step reads back only the sampled ids and a ``conf-kv`` one
-also the step's positions (once, for every sequence's retention state); a decision step waits once
-more, for the whole step's attention signal (``retention.scoring.score_batch``). Step metadata is
+also the step's positions (once, for every sequence's retention state), and under the precision
+chain the step's sampling signal (once, ``core.step_signal``); a decision step waits once more, for
+the whole step's attention signal (``retention.scoring.score_batch``). Step metadata is
 sent through preallocated host buffers copied ``non_blocking`` (pinned on CUDA), so no step makes a
 blocking send."""
 
@@ -90,28 +91,35 @@ def test_static_decode_step_reads_back_only_the_sampled_ids(steps) -> None:
         assert kinds == Counter({("tolist", "core/step_io.py"): 1})
 
 
-@pytest.mark.parametrize("policy", ["conf-kv", "conf-kv+tiers"])
-def test_conf_kv_decode_step_outside_decisions_reads_back_at_most_twice(steps, policy: str) -> None:
+@pytest.mark.parametrize("policy,signal", [("conf-kv", 0), ("conf-kv+tiers", 1)])
+def test_conf_kv_decode_step_outside_decisions_reads_back_at_most_three_times(steps, policy: str,
+                                                                               signal: int) -> None:
+    """The precision chain's confidence weighs the sampling signal: its step reads the step's values
+    back once more, for every sequence together (``core.step_signal``)."""
     plain = [c for decision, c in steps[policy] if not decision]
     assert len(plain) >= STEPS - 3  # a precision chain decides every 16 tokens
     for counter in plain:
-        assert _kinds(counter.syncs()) == Counter({("tolist", "core/step_io.py"): 1,
-                                                   ("cpu", "attention/retention.py"): 1})
+        expected = Counter({("tolist", "core/step_io.py"): 1, ("cpu", "attention/retention.py"): 1})
+        if signal:
+            expected[("tolist", "core/step_signal.py")] = signal
+        assert _kinds(counter.syncs()) == expected
 
 
-@pytest.mark.parametrize("policy,per_sequence", [("conf-kv", 0), ("conf-kv+tiers", 1)])
-def test_decision_step_read_backs(steps, policy: str, per_sequence: int) -> None:
+@pytest.mark.parametrize("policy,per_sequence,signal", [("conf-kv", 0, 0), ("conf-kv+tiers", 1, 1)])
+def test_decision_step_read_backs(steps, policy: str, per_sequence: int, signal: int) -> None:
     """Recorded exactly: one wait for the whole step's attention signal (every sequence's and every
     layer's probabilities queued into host buffers first; it was one wait per sequence, and before
-    that 2 read-backs per layer per sequence), precision tiers add one list per sequence."""
+    that 2 read-backs per layer per sequence), precision tiers add one list per sequence, and the
+    precision chain's sampling signal one for the step."""
     decisions = [c for decision, c in steps[policy] if decision]
     assert decisions
     for counter in decisions:
         kinds = _kinds(counter.syncs())
         assert kinds[("wait", "retention/scoring.py")] == 1
+        assert kinds[("tolist", "core/step_signal.py")] == signal
         # The tiers' list comes with a budget walk; under the floor (early decisions) there is none.
-        assert len(counter.syncs()) in (3, 3 + per_sequence * SEQS)
-    assert len(decisions[-1].syncs()) == 3 + per_sequence * SEQS
+        assert len(counter.syncs()) in (3 + signal, 3 + signal + per_sequence * SEQS)
+    assert len(decisions[-1].syncs()) == 3 + signal + per_sequence * SEQS
 
 
 def test_decision_step_reads_back_once(steps) -> None:

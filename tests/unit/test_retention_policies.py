@@ -12,7 +12,7 @@ from confkv_engine.retention.scorer import ScorerConfig
 from confkv_engine.retention.tiers import KVAccounting, Tier, TierConfig
 
 ACCT = KVAccounting(block_size=1, half_block_bytes=10)
-F, K, D = Tier.FULL, Tier.KEY_ONLY, Tier.DISCARD
+F, K, D, I4 = Tier.FULL, Tier.KEY_ONLY, Tier.DISCARD, Tier.INT4
 
 
 def _view(att: list[list[float]], length: int) -> SlotView:
@@ -77,6 +77,33 @@ def test_peers_keep_their_own_window_under_the_default_precision_chain() -> None
         assert (peer.tiers.min_window, peer.tiers.floor_tokens) == (32, 36)
     own = RetentionConfig(policy="conf-kv", tiers=chain, budget=0.25)
     assert own.uses_precision and own.tiers.min_window == TierConfig.precision_window
+
+
+def test_the_precision_chain_weighs_the_sampling_signal_with_its_own_weight() -> None:
+    chain = TierConfig(key_only=False, precisions=("int4", "int2"))
+    default = RetentionConfig(policy="conf-kv", tiers=chain, budget=0.25)
+    assert default.sampling_weight == ScorerConfig.precision_sampling_weight > 0
+    assert default.scores_attention
+    # The FULL / KEY_ONLY chain keeps the scorer's mode (attention only by default); peers read none.
+    assert RetentionConfig(policy="conf-kv", budget=0.25).sampling_weight == 0.0
+    assert RetentionConfig(policy="h2o", tiers=chain, budget=0.25).sampling_weight == 0.0
+    samp_only = replace(default, scorer=ScorerConfig(precision_sampling_weight=1.0))
+    assert samp_only.sampling_weight == 1.0 and not samp_only.scores_attention
+
+
+def test_the_precision_chain_drops_the_predicted_token_before_the_surprising_one() -> None:
+    # Sink 0, window 5..6 (FULL); tokens 1..4 equally attended. The model predicted token 2 almost
+    # surely (c_samp 0.02: the context can stand in for it) and could not predict the others. With the
+    # sampling signal weighed, the budget walk drops token 2; attention alone cannot tell them apart.
+    chain = TierConfig(sinks=1, window=2, window_fraction=0.0, key_only=False, precisions=("int4", "int2"))
+    acct = KVAccounting(block_size=1, half_block_bytes=50, pair_bytes=((Tier.INT4, 30), (Tier.INT2, 20)))
+    view = _view([[0.1, 0.1, 0.1, 0.1, 0.1, 0.0, 0.0]], 7)
+    view.c_samp = torch.tensor([[0.5, 0.9, 0.02, 0.9, 0.9, 0.5, 0.5]])
+    cfg = RetentionConfig(policy="conf-kv", tiers=chain, budget=0.5)
+    attention_only = replace(cfg, scorer=ScorerConfig(precision_sampling_weight=0.0))
+    target = 300 + 90  # sink and window FULL, three tokens at int4
+    assert select(view, cfg, acct, target).tolist() == [[F, I4, D, I4, I4, F, F]]
+    assert select(view, attention_only, acct, target).tolist() == [[F, I4, I4, I4, D, F, F]]
 
 
 def test_conf_kv_memory_keeps_the_once_attended_token_under_a_budget() -> None:

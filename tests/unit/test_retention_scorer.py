@@ -23,6 +23,21 @@ def test_sampling_signal_exact_values() -> None:
     assert scorer.sampling_confidence(sig, "margin").tolist() == pytest.approx([0.75, 0.4])
 
 
+def test_the_probability_alone_matches_and_the_spread_is_refused_without_it() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.7, 0.1, 0.1, 0.1]])) + 3.0
+    full, alone = scorer.sampling_signal(logits, torch.tensor([1, 0])), \
+        scorer.sampling_signal(logits, torch.tensor([1, 0]), spread=False)
+    assert alone.prob.tolist() == pytest.approx(full.prob.tolist())
+    assert alone.prob.tolist() == pytest.approx([0.25, 0.7])
+    assert alone.entropy is None and alone.margin is None
+    assert scorer.sampling_confidence(alone, "surprise").tolist() == pytest.approx([0.75, 0.3])
+    with pytest.raises(ValueError, match="spread=False"):
+        scorer.sampling_confidence(alone, "entropy")
+    # Rows of a signal taken in slices join back in order.
+    both = scorer.SamplingSignal.cat([full.rows(0, 1), full.rows(1, 2)])
+    assert both.prob.tolist() == full.prob.tolist() and both.margin.tolist() == full.margin.tolist()
+
+
 def test_sampling_signal_ignores_temperature_scaled_copies() -> None:
     """The signal comes from the logits as given: a tempered copy is a different distribution, so
     callers must pass untempered logits (the engine does); here we pin that the function itself
@@ -90,6 +105,18 @@ def test_combined_modes() -> None:
     torch.testing.assert_close(samp_only, c_samp[None])
     torch.testing.assert_close(mixed, 0.75 * c_att + 0.25 * c_samp)
     assert float(mixed.min()) >= 0 and float(mixed.max()) <= 1
+
+
+def test_a_given_weight_overrides_the_mode() -> None:
+    # The precision chain passes its own weight (RetentionConfig.sampling_weight), whatever the mode.
+    acc, norm, c_samp = torch.tensor([[0.3, 0.0]]), torch.tensor([[1.0, 1.0]]), torch.tensor([0.2, 0.9])
+    c_att = scorer.attention_confidence(scorer.attention_signal(acc, norm), 10, 3)
+    cfg = ScorerConfig(mode="attention", scale=1.0)
+    torch.testing.assert_close(scorer.confidence(acc, norm, c_samp, 10, 3, cfg, weight=0.6),
+                               0.4 * c_att + 0.6 * c_samp)
+    torch.testing.assert_close(scorer.confidence(acc, norm, c_samp, 10, 3, cfg, weight=0.0), c_att)
+    with pytest.raises(ValueError, match="precision_sampling_weight"):
+        ScorerConfig(precision_sampling_weight=1.5)
 
 
 def test_scorer_config_rejects_bad_values() -> None:

@@ -41,6 +41,7 @@ from confkv_engine.core.parts import EngineParts, build_parts
 from confkv_engine.core.sampling_params import InvalidRequest, SamplingParams
 from confkv_engine.core.sequence import SeqStatus, Sequence
 from confkv_engine.core.step_io import check_request, request_output, sample_step
+from confkv_engine.core.step_signal import StepSignal
 from confkv_engine.retention.policies import RetentionConfig
 
 # With nothing to step but requests waiting for disk read-backs, ``step`` waits this long at most
@@ -69,7 +70,7 @@ class LLMEngine(EngineControlSurface):
         self.decode_runner = p.decode_runner  # static-buffer decode (CUDA graphs on CUDA), or None
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step
-        self._ret_logits: dict[Sequence, torch.Tensor] = {}
+        self.signal = StepSignal(self.model, self.retention, self.vocab_size)  # the sampling signal's rows
         self._ids = itertools.count()
         self.num_oom = 0
         self.prompt_tokens_total = 0
@@ -132,6 +133,7 @@ class LLMEngine(EngineControlSurface):
                 scheduled = self._recover_from_oom(scheduled, ran, outputs)
                 if not scheduled:
                     return outputs
+        self.signal.record(results)  # the sampling signal of the step's rows, before they advance
         # The step's decision points read the attention signal back with one wait for all sequences.
         self.retention.score_decisions([(s.kv, s.policy_state, s.num_computed + n) for s, n in scheduled])
         for seq, n in scheduled:
@@ -150,7 +152,7 @@ class LLMEngine(EngineControlSurface):
         self.cache.staging.begin_step()
         states = [self.retention.prepare(s) for s, _ in scheduled]
         hidden = self._forward([s.kv for s, _ in scheduled], [n for _, n in scheduled], ids, pos, states)
-        self._retention_logits(scheduled, hidden)
+        self.signal.take(scheduled, hidden)
         return sample_step(self.model, self.tokenizer, self.vocab_size, self.eos_token_ids, scheduled,
                            hidden, self.cache.staging.send)
 
@@ -166,15 +168,6 @@ class LLMEngine(EngineControlSurface):
         hidden = self.model(input_ids, positions, self.backend)
         self.backend.end_step()
         return hidden
-
-    def _retention_logits(self, scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
-        """Untempered logits of every row for sequences whose retention uses the sampling signal."""
-        self._ret_logits: dict[Sequence, torch.Tensor] = {}
-        offset = 0
-        for seq, n in scheduled:
-            if self.retention.wants_logits(seq.policy_state):
-                self._ret_logits[seq] = self.model.compute_logits(hidden[offset:offset + n])
-            offset += n
 
     def _advance(self, seq: Sequence, n: int, result: tuple[int, Any] | None) -> None:
         was_prefill = seq.num_computed < seq.prompt_len
@@ -202,11 +195,6 @@ class LLMEngine(EngineControlSurface):
             if text.finish_reason is not None:
                 self._finish(seq, text.finish_reason)
                 return
-        logits = self._ret_logits.pop(seq, None)
-        if logits is not None:  # row r predicted position start + 1 + r (the sampled token included)
-            start = seq.num_computed - n
-            self.retention.observe_logits(seq.policy_state, logits, start + 1,
-                                          seq.token_slice(start + 1, seq.num_computed + 1))
         self.retention.after_step(seq.kv, seq.policy_state, seq.num_computed)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:

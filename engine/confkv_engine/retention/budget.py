@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from confkv_engine.retention import scorer
 from confkv_engine.retention.scorer import SamplingSignal
 
 UNCERTAINTY_SIGNALS = ("entropy", "margin", "surprise")
@@ -66,11 +67,10 @@ class BudgetSchedule:
 
 def uncertainty(signal: SamplingSignal, kind: str) -> Tensor:
     """Per prediction, in [0, 1]; higher means the model was less sure of the next token."""
-    if kind == "entropy":
-        return signal.entropy
-    if kind == "margin":
-        return 1.0 - signal.margin
-    return 1.0 - signal.prob
+    if kind not in ("entropy", "margin"):
+        return 1.0 - signal.prob
+    entropy, margin = scorer.spread_of(signal)
+    return entropy if kind == "entropy" else 1.0 - margin
 
 
 @dataclass

@@ -7,7 +7,9 @@ The engine (or a benchmark driving the cache directly) calls, per sequence:
 2. ``new_state(config)`` when the sequence (re)starts: its ``RetentionState`` (None = full cache);
    ``RetentionAttention.begin_step(..., states)`` / model forward / ``end_step`` as usual;
 3. ``observe_logits(state, logits, first_position, successors)`` for the rows whose successors are
-   known (sampling signal; skipped when the scorer does not use it);
+   known (sampling signal; skipped when the scorer does not use it), or ``signal_values`` and
+   ``record_values`` around one read-back (the engine's ``core.step_signal``, for a step's rows of
+   every sequence together);
 4. ``after_step(seq_kv, state, num_computed)``: at decision points the policy runs and the
    sequence is compacted, freeing blocks in the same step.
 
@@ -236,20 +238,45 @@ class RetentionManager:
     def wants_logits(self, state: RetentionState | None) -> bool:
         if state is None:
             return False
-        samples = state.cfg.policy.startswith("conf-kv") and state.cfg.scorer.effective_weight > 0
-        return samples or state.cfg.schedule is not None
+        return state.cfg.sampling_weight > 0 or state.cfg.schedule is not None
+
+    def needs_spread(self, state: RetentionState | None) -> bool:
+        """Whether ``state`` reads the entropy or the margin, not the realised token's probability alone
+        (``scorer.sampling_signal``'s ``spread``)."""
+        if state is None:
+            return False
+        schedule = state.cfg.schedule
+        reads = {state.cfg.scorer.sampling_kind} | ({schedule.signal} if schedule is not None else set())
+        return reads != {"surprise"}
+
+    def signal_values(self, state: RetentionState, signal: scorer.SamplingSignal) -> Tensor:
+        """What ``state`` keeps of rows of the sampling signal, on their device: [1, m] confidences,
+        with the budget schedule's uncertainties as a second row when it has one ([2, m])."""
+        rows = [scorer.sampling_confidence(signal, state.cfg.scorer.sampling_kind)]
+        if state.cfg.schedule is not None:
+            rows.append(budget.uncertainty(signal, state.cfg.schedule.signal))
+        return torch.stack(rows)
+
+    def record_values(self, state: RetentionState, first_position: int, values: list[list[float]]) -> None:
+        """Record ``signal_values`` read back, the first column predicting the token at ``first_position``."""
+        if not values or not values[0]:
+            return
+        state.on_sampling(first_position, values[0])
+        if state.cfg.schedule is not None:
+            state.schedule.observe(values[1])
+
+    def observe_signal(self, state: RetentionState, signal: scorer.SamplingSignal,
+                       first_position: int) -> None:
+        """Record rows of the sampling signal, the first predicting the token at ``first_position``."""
+        self.record_values(state, first_position, self.signal_values(state, signal).tolist())
 
     def observe_logits(self, state: RetentionState, logits: Tensor, first_position: int,
                        successors: list[int]) -> None:
         """Row r of ``logits`` predicted the token at ``first_position + r`` (= ``successors[r]``)."""
         m = min(len(successors), logits.shape[0])
-        if m == 0:
-            return
-        sig = scorer.sampling_signal(logits[:m], torch.tensor(successors[:m], device=logits.device))
-        conf = scorer.sampling_confidence(sig, state.cfg.scorer.sampling_kind)
-        state.on_sampling(first_position, conf.cpu().tolist())
-        if state.cfg.schedule is not None:
-            state.schedule.observe(budget.uncertainty(sig, state.cfg.schedule.signal).cpu().tolist())
+        nxt = torch.tensor(successors[:m], device=logits.device)
+        self.observe_signal(state, scorer.sampling_signal(logits[:m], nxt, self.needs_spread(state)),
+                            first_position)
 
     def under_pressure(self) -> bool:
         return self.cache.num_free < PRESSURE_FREE_FRACTION * self.cache.num_blocks

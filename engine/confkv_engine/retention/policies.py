@@ -77,7 +77,15 @@ class RetentionConfig:
 
     @property
     def scores_attention(self) -> bool:
-        return self.policy == "h2o" or (self.policy.startswith("conf-kv") and self.scorer.mode != "sampling")
+        return self.policy == "h2o" or (self.policy.startswith("conf-kv") and self.sampling_weight < 1.0)
+
+    @property
+    def sampling_weight(self) -> float:
+        """conf-kv's weight of the sampling signal: the precision chain's own, else the scorer's mode's
+        (0 for the peers, which never read it)."""
+        if not self.policy.startswith("conf-kv"):
+            return 0.0
+        return self.scorer.precision_sampling_weight if self.uses_precision else self.scorer.effective_weight
 
     @property
     def remembers(self) -> bool:
@@ -176,7 +184,7 @@ def select_h2o(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target:
 
 def select_conf_kv(view: SlotView, cfg: RetentionConfig, acct: KVAccounting, target: int) -> Tensor:
     conf = scorer.confidence(view.acc, view.norm, view.c_samp, view.length, view.group, cfg.scorer, view.peak,
-                             scale=cfg.scale)
+                             scale=cfg.scale, weight=cfg.sampling_weight)
     conf = share_confidence(conf, cfg.tiers.granularity, view.heads)
     if cfg.uses_precision:
         return decide_precision(view.pos, view.tiers, conf, view.length, view.prev_length,
