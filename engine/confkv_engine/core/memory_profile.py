@@ -2,8 +2,9 @@
 
 ``plan_startup_memory`` runs before the pool is allocated. On CUDA it runs one profiling step, the
 largest the config allows (``maxNumBatchedTokens`` dummy prompt tokens in chunks of ``prefillChunk``,
-logits for ``maxBatchSize`` rows), through the real model and paged attention over a temporary cache
-just large enough for it, and reads ``torch.cuda.max_memory_allocated`` (less the weights and that
+logits for ``maxBatchSize`` rows, or for a slice of the sampling signal's, ``core.step_signal``, if
+that is more), through the real model and paged attention over a temporary cache just large enough
+for it, and reads ``torch.cuda.max_memory_allocated`` (less the weights and that
 cache) plus what the caching allocator reserved beyond it: the activation peak. The decode gather is
 not part of that step (it grows with context, not batch tokens), so it gets its own bound, enforced
 by the attention backend. ``cache.planner`` turns the figures into the pool's bytes, and the figures
@@ -25,6 +26,7 @@ from confkv_engine.attention.paged import PagedAttention, gather_slot_bytes
 from confkv_engine.cache.kv_cache import CacheSpec, KVCache, SeqKV
 from confkv_engine.cache.memory import device_figures
 from confkv_engine.cache.planner import MemoryPlan, decode_gather_bound, plan_memory
+from confkv_engine.core.step_signal import slice_rows
 from confkv_engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("confkv.memory")
@@ -80,7 +82,9 @@ def measure_activation_peak(model: LlamaForCausalLM, spec: CacheSpec, engine: En
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(spec.device)
     base = torch.cuda.memory_allocated(spec.device)
-    cache_bytes = run_profile_step(model, spec, profile_lengths(engine), engine.max_batch_size)
+    # Logits for the sampled rows, or for a slice of the retention's sampling signal if that is more.
+    rows = max(engine.max_batch_size, slice_rows(model.args.vocab_size))
+    cache_bytes = run_profile_step(model, spec, profile_lengths(engine), rows)
     torch.cuda.synchronize(spec.device)
     peak = activation_peak(base, torch.cuda.max_memory_allocated(spec.device),
                            torch.cuda.max_memory_reserved(spec.device), cache_bytes)

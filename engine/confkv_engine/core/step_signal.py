@@ -6,9 +6,10 @@ decode row. ``StepSignal`` takes them for the whole step at once:
 
 - ``take`` (after the forward pass): the rows whose successor is already a token of the sequence
   are reduced at once, every sequence's together, ``SIGNAL_BYTES`` of fp32 logits at a time (a
-  step's prefill rows in one go would hold rows x vocabulary floats beyond what the start-up
-  profile measured, which takes logits for the sampled rows only; one slice per sequence would read
-  the LM head once per sequence). The rows whose successor is about to be sampled keep their logits.
+  step's prefill rows in one go would hold rows x vocabulary floats; the start-up profile takes
+  logits for one slice, ``slice_rows``, when that is more than the sampled rows; one slice per
+  sequence would read the LM head once per sequence). The rows whose successor is about to be
+  sampled keep their logits.
 - ``record`` (after sampling): those rows are reduced against the sampled tokens, and every
   sequence's values are read back to the host once for the step (the decode step's one more wait is
   shared by all its sequences), then recorded through ``RetentionManager.record_values``.
@@ -28,6 +29,11 @@ from confkv_engine.cache.staging import send_pinned
 from confkv_engine.retention.scorer import SamplingSignal, sampling_signal
 
 SIGNAL_BYTES = 64 << 20
+
+
+def slice_rows(vocab_size: int) -> int:
+    """Rows of fp32 logits a signal slice holds (the start-up profile takes at least as many)."""
+    return max(1, SIGNAL_BYTES // (4 * vocab_size))
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ class StepSignal:
     def _reduce(self, hidden: Tensor, rows: list[int], nxt: list[int]) -> SamplingSignal:
         if not rows:
             return self._empty(hidden)
-        step = max(1, SIGNAL_BYTES // (4 * self.vocab_size))
+        step = slice_rows(self.vocab_size)
         index = send_pinned(rows, hidden.device, torch.long)
         tokens = send_pinned(nxt, hidden.device, torch.long)
         parts = [sampling_signal(self.model.compute_logits(hidden[index[r:r + step]]), tokens[r:r + step],
