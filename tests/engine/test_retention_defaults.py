@@ -92,6 +92,18 @@ def test_default_tiers_are_the_precision_chain(loaded) -> None:
     assert usage.tokens_int4 + usage.tokens_int2 > 0 and usage.tokens_key_only == 0
 
 
+def test_a_request_picking_conf_kv_on_a_full_server_gets_the_precision_chain(loaded) -> None:
+    # The server's default policy is full; the request's kv_budget (or kv_policy conf-kv) is conf-kv
+    # with the configured tiers, as on a server started with --kv-policy conf-kv.
+    eng = default_engine(loaded)
+    assert eng.retention.defaults.policy == "full" and not eng.retention.defaults.uses_precision
+    for extra in ({"kv_budget": 0.5}, {"kv_budget": 0.5, "kv_policy": "conf-kv"}):
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, **extra)
+        usage = eng.generate([prompt(400)], params)[0].kv_usage
+        assert usage.tokens_int4 + usage.tokens_k4v2 + usage.tokens_int2 > 0, extra
+        assert usage.tokens_key_only == 0
+
+
 def test_floor_reported_when_it_makes_the_budget_unreachable(loaded) -> None:
     eng = default_engine(loaded, budget=0.1)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

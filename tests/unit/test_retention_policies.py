@@ -73,8 +73,13 @@ def test_peers_keep_their_own_window_under_the_default_precision_chain() -> None
     chain = TierConfig(window=32, key_only=False, precisions=("int4", "int2"))
     for policy in ("streaming", "h2o"):
         peer = RetentionConfig(policy=policy, tiers=chain, budget=0.25)
-        assert peer.tiers.precisions == () and not peer.uses_precision
+        assert peer.tiers.chain == () and not peer.uses_precision
         assert (peer.tiers.min_window, peer.tiers.floor_tokens) == (32, 36)
+        # The chain stays configured: a request switching back to conf-kv gets it.
+        back = replace(peer, policy="conf-kv")
+        assert back.uses_precision and back.tiers.chain == ("int4", "int2") and back.tiers.min_window == 2
+    full = RetentionConfig(tiers=chain)  # the server's default policy
+    assert not full.uses_precision and replace(full, policy="conf-kv", budget=0.25).uses_precision
     own = RetentionConfig(policy="conf-kv", tiers=chain, budget=0.25)
     assert own.uses_precision and own.tiers.min_window == TierConfig.precision_window
 

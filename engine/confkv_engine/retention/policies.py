@@ -70,10 +70,12 @@ class RetentionConfig:
             raise ValueError(f"budget basis must be one of {choices}, got {self.budget_basis!r}")
         if self.policy in ("streaming", "h2o") and self.budget is None and self.budget_tokens is None:
             raise ValueError(f"kv policy {self.policy!r} needs a budget (kv_budget or kv_budget_tokens)")
-        if not self.policy.startswith("conf-kv") and self.tiers.precisions:
+        precise = self.policy.startswith("conf-kv")
+        if self.tiers.precise != precise:
             # The precision chain (conf-kv's default tiers) is conf-kv's alone: the other policies keep
-            # their own minimal window and floor (``TierConfig.min_window`` / ``floor_tokens`` read it).
-            object.__setattr__(self, "tiers", replace(self.tiers, precisions=()))
+            # their own minimal window and floor (``TierConfig.min_window`` / ``floor_tokens`` read
+            # ``chain``); the tiers stay configured for a request that switches to conf-kv.
+            object.__setattr__(self, "tiers", replace(self.tiers, precise=precise))
 
     @property
     def scores_attention(self) -> bool:
@@ -99,7 +101,7 @@ class RetentionConfig:
     @property
     def uses_precision(self) -> bool:
         """conf-kv choosing precisions (int8/int4/k4v2/int2) besides FULL and DISCARD."""
-        return self.policy.startswith("conf-kv") and bool(self.tiers.precisions)
+        return self.policy.startswith("conf-kv") and bool(self.tiers.chain)
 
     @property
     def scale(self) -> float:

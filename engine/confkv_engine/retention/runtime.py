@@ -270,7 +270,7 @@ class RetentionState:
         """Tokens per unit at each precision tier (frozen and staged), by tier name."""
         row = self.tiers[0, 0] if self.tiers.numel() else self.tiers.reshape(-1)
         return {name: int((row == tier).sum()) for name, tier in PRECISION_TIERS.items()
-                if name in self.cfg.tiers.precisions}
+                if name in self.cfg.tiers.chain}
 
     def frozen_block_tiers(self) -> list[int]:
         bs = self.acct.block_size

@@ -179,6 +179,10 @@ class TierConfig:
     # order: "position" (oldest first) or "confidence" (highest attention signal first, so a frozen
     # block holds tokens of like confidence and the lowest stay staged, individually droppable).
     freeze_order: str = "position"
+    # Whether ``precisions`` apply (``chain``): the precision chain is conf-kv's alone, so
+    # ``RetentionConfig`` turns it off for the other policies; the chain stays configured, and a
+    # request that picks conf-kv on a server whose default is ``full`` or a peer gets it back.
+    precise: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.medium < self.high <= 1.0:
@@ -222,15 +226,20 @@ class TierConfig:
                              f"got {loss}")
 
     @property
+    def chain(self) -> tuple[str, ...]:
+        """The precision tiers in force: ``precisions`` where they apply (``precise``), else none."""
+        return self.precisions if self.precise else ()
+
+    @property
     def uses_key_only(self) -> bool:
         """KEY_ONLY is the FULL / KEY_ONLY / DISCARD chain's; with precision tiers it is dominated (a
         KEY_ONLY token costs half a FULL one, more than int8 keeping its value: docs/retention.md)."""
-        return self.key_only and not self.precisions
+        return self.key_only and not self.chain
 
     @property
     def min_window(self) -> int:
         """The minimal always-FULL recent window of this chain."""
-        if self.precisions and self.precision_window is not None:
+        if self.chain and self.precision_window is not None:
             return self.precision_window
         return self.window
 
@@ -239,12 +248,12 @@ class TierConfig:
         """Tokens whose FULL bytes the budget's floor holds: the sinks and the minimal window, or for a
         precision chain with ``precision_floor`` that many recent tokens' bytes, spent by the walk on
         the FULL window and on older tokens at its precision tiers."""
-        extra = self.precision_floor if self.precisions and self.precision_floor is not None else 0
+        extra = self.precision_floor if self.chain and self.precision_floor is not None else 0
         return self.sinks + max(self.min_window, extra)
 
     def effective_window(self, budget_tokens: int, block_size: int) -> int:
         """The always-FULL recent window: the minimal one, or a block-aligned share of the budget."""
-        fraction = self.precision_window_fraction if self.precisions else self.window_fraction
+        fraction = self.precision_window_fraction if self.chain else self.window_fraction
         share = int(fraction * budget_tokens) // block_size * block_size
         return max(self.min_window, share)
 
