@@ -68,3 +68,39 @@ def test_the_precision_chain_records_every_token_s_surprise(model_dir, monkeypat
         # Token 0 has no predictor; every later one up to the last sampled before the final step.
         assert got[0] == NEUTRAL_SAMPLING and len(got) == len(tokens) - 1
         assert got[1:] == pytest.approx(reference_surprise(model_dir, tokens)[: len(got) - 1], abs=1e-4)
+
+
+def run_counting_head_rows(model_dir, share: bool, monkeypatch) -> tuple[dict, dict, int, int]:
+    """Outputs and logprobs of a greedy and a seeded sampled request under the precision chain, the
+    rows the LM head ran over, and the tokens sampled; ``share=False`` keeps the sampler off the
+    signal's logits (the head runs twice over a sampled row)."""
+    loaded = load_model(str(model_dir), dtype=torch.float32, device="cpu")
+    cfg = ConfKVConfig.model_validate({"engine": {"prefillChunk": CHUNK}, "confkv": {"maxCacheSize": "8Mi"}})
+    eng = LLMEngine(loaded, cfg)
+    assert eng.retention.config_for("conf-kv", None, None).sampling_weight > 0  # the default chain's
+    if not share:
+        monkeypatch.setattr(eng.signal, "sampled_logits", lambda rows: None)
+    head, rows = eng.model.lm_head, [0]
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        rows[0] += x.shape[0]
+        return torch.nn.functional.linear(x, head.weight, head.bias)
+
+    monkeypatch.setattr(head, "forward", counted)
+    eng.add_request("greedy", [(i * 31 + 3) % 250 for i in range(120)],
+                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, kv_policy="conf-kv"))
+    eng.add_request("sampled", [(i * 17 + 5) % 250 for i in range(90)],
+                    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=8, logprobs=2,
+                                   ignore_eos=True, kv_policy="conf-kv"))
+    outputs, logprobs = {}, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            outputs[out.request_id], logprobs[out.request_id] = out.output_token_ids, out.logprobs
+    return outputs, logprobs, rows[0], sum(len(v) for v in outputs.values())
+
+
+def test_the_sampler_reads_the_signal_s_logits(model_dir, monkeypatch) -> None:
+    shared, shared_lps, shared_rows, sampled = run_counting_head_rows(model_dir, True, monkeypatch)
+    alone, alone_lps, alone_rows, _ = run_counting_head_rows(model_dir, False, monkeypatch)
+    assert shared == alone and shared_lps == alone_lps  # the same tokens and logprobs either way
+    assert sampled == 16 and alone_rows - shared_rows == sampled  # each sampled row through the head once

@@ -154,7 +154,7 @@ class LLMEngine(EngineControlSurface):
         hidden = self._forward([s.kv for s, _ in scheduled], [n for _, n in scheduled], ids, pos, states)
         self.signal.take(scheduled, hidden)
         return sample_step(self.model, self.tokenizer, self.vocab_size, self.eos_token_ids, scheduled,
-                           hidden, self.cache.staging.send)
+                           hidden, self.cache.staging.send, self.signal.sampled_logits)
 
     def _forward(self, seqs: list[SeqKV], num_new: list[int], ids: list[int], pos: list[int],
                  states: list[Any]) -> torch.Tensor:

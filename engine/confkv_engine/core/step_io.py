@@ -23,10 +23,13 @@ from confkv_engine.retention.policies import RetentionConfig
 
 def sample_step(model: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
                 scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor,
-                send: Callable[[list[int]], torch.Tensor] | None = None) -> dict[Sequence, Any]:
+                send: Callable[[list[int]], torch.Tensor] | None = None,
+                shared: Callable[[list[int]], torch.Tensor | None] | None = None) -> dict[Sequence, Any]:
     """Per sequence whose step ends its known tokens: (token id, logprob entry). Prompt logprobs of
     the rows that need them are appended to their sequences on the way. ``send``: how the sampling
-    rows reach the device (the cache's pinned staging; default ``torch.tensor``)."""
+    rows reach the device (the cache's pinned staging; default ``torch.tensor``). ``shared``: the
+    fp32 logits of exactly these rows where the step has them already (the sampling signal's,
+    ``StepSignal.sampled_logits``), else None."""
     rows: list[int] = []
     samplers: list[Sequence] = []
     offset = 0
@@ -40,17 +43,14 @@ def sample_step(model: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tupl
         offset += n
     if not samplers:
         return {}
-    index = send(rows) if send is not None else torch.tensor(rows, device=hidden.device)
+    logits = shared(rows) if shared is not None else None
     params = [s.params for s in samplers]
     if sampling.plain_greedy(params, [len(s.output_token_ids) for s in samplers]):
-        # The raw logits' argmax in the head's dtype: no fp32 copy, no processed copy; no logits at
-        # all where the head's kernel fuses the argmax (``greedy_tokens`` None: it does not).
-        rows_hidden = hidden[index]
-        fused = model.greedy_tokens(rows_hidden) if hasattr(model, "greedy_tokens") else None
-        tokens = (fused if fused is not None else
-                  sampling.greedy_tokens(model.compute_logits(rows_hidden, fp32=False))).tolist()
+        tokens = (_greedy(model, _rows_hidden(hidden, rows, send)) if logits is None
+                  else sampling.greedy_tokens(logits)).tolist()
         return {s: (t, None) for s, t in zip(samplers, tokens, strict=True)}
-    logits = model.compute_logits(hidden[index])
+    if logits is None:
+        logits = model.compute_logits(_rows_hidden(hidden, rows, send))
     for s in samplers:  # the grammar is compiled on the sequence's first sampling step
         if s.params.structured is not None and s.grammar is None:
             s.grammar = sampling.GrammarState(s.params.structured, tokenizer, vocab_size, eos_token_ids)
@@ -64,6 +64,21 @@ def sample_step(model: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tupl
         if s.grammar is not None:
             s.grammar.accept(t)
     return {s: (t, lp) for s, t, lp in zip(samplers, tokens, lps, strict=True)}
+
+
+def _rows_hidden(hidden: torch.Tensor, rows: list[int],
+                 send: Callable[[list[int]], torch.Tensor] | None) -> torch.Tensor:
+    index = send(rows) if send is not None else torch.tensor(rows, device=hidden.device)
+    return hidden[index]
+
+
+def _greedy(model: Any, rows_hidden: torch.Tensor) -> torch.Tensor:
+    """The raw logits' argmax in the head's dtype: no fp32 copy, no processed copy; no logits at
+    all where the head's kernel fuses the argmax (``greedy_tokens`` None: it does not)."""
+    fused = model.greedy_tokens(rows_hidden) if hasattr(model, "greedy_tokens") else None
+    if fused is not None:
+        return fused
+    return sampling.greedy_tokens(model.compute_logits(rows_hidden, fp32=False))
 
 
 def add_prompt_logprobs(model: Any, seq: Sequence, hidden: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ decode row. ``StepSignal`` takes them for the whole step at once:
   step's prefill rows in one go would hold rows x vocabulary floats; the start-up profile takes
   logits for one slice, ``slice_rows``, when that is more than the sampled rows; one slice per
   sequence would read the LM head once per sequence). The rows whose successor is about to be
-  sampled keep their logits.
+  sampled keep their logits, and the sampler reads them (``sampled_logits``) when its rows are
+  exactly those: the step's sampled rows go through the LM head once, not twice.
 - ``record`` (after sampling): those rows are reduced against the sampled tokens, and every
   sequence's values are read back to the host once for the step (the decode step's one more wait is
   shared by all its sequences), then recorded through ``RetentionManager.record_values``.
@@ -54,6 +55,7 @@ class StepSignal:
         self._known: SamplingSignal | None = None
         self._spread = False
         self._logits: Tensor | None = None  # [sampled rows, V]
+        self._last: list[int] = []  # their rows in the step's hidden states
 
     def take(self, scheduled: list[tuple[Any, int]], hidden: Tensor) -> None:
         """``scheduled``: (sequence, rows) in the order of ``hidden``'s rows [N, H]."""
@@ -70,6 +72,14 @@ class StepSignal:
         self._known = self._reduce(hidden, rows, nxt) if self._plan else None
         index = send_pinned(last, hidden.device, torch.long) if last else None  # never a blocking send
         self._logits = self.model.compute_logits(hidden[index]) if index is not None else None
+        self._last = last
+
+    def sampled_logits(self, rows: list[int]) -> Tensor | None:
+        """The fp32 logits ``take`` computed for the rows about to be sampled, when the sampler's
+        ``rows`` are exactly those (every sampling sequence reads the signal); else None. The same
+        rows through the same head give the same values, so the tokens do not depend on who
+        computed them; the sampler copies before it processes, so ``record`` still reads them raw."""
+        return self._logits if self._logits is not None and rows == self._last else None
 
     def _reduce(self, hidden: Tensor, rows: list[int], nxt: list[int]) -> SamplingSignal:
         if not rows:
