@@ -218,7 +218,9 @@ def test_retention_evicts_after_a_shared_prefix_and_never_touches_it(loaded, sys
         if not seq.finished:
             assert seq.kv.k_blocks[:len(ids) // 2] == ids[:len(ids) // 2]  # still the shared blocks
     assert seq.prefix_len == len(system) // BS * BS
-    assert seq.policy_state.first_eviction is not None and out.kv_usage.tokens_discarded > 0
+    u = out.kv_usage  # it acted: h2o drops tokens, conf-kv's default precision chain quantizes or drops
+    demoted = u.tokens_discarded + u.tokens_int8 + u.tokens_int4 + u.tokens_k4v2 + u.tokens_int2
+    assert seq.policy_state.first_eviction is not None and demoted > 0
     after_ids, after = prefix_blocks(eng, system)
     assert after_ids == ids
     assert torch.equal(after["kv"], before["kv"]) and torch.equal(after["pos"], before["pos"])
