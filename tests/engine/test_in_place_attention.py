@@ -58,7 +58,11 @@ def loaded():
 def _run(loaded, retention, in_place: bool, tokens: list[int]):
     config = ConfKVConfig.model_validate({"engine": {"prefillChunk": 64}, "confkv": {"maxCacheSize": "64Mi"}})
     parts = build_parts(loaded, config, retention)
-    backend = RetentionAttention(parts.cache, loaded.model.args.num_heads, in_place=in_place)
+    # The gathering reference decodes compressed blocks and attends them, as the kernels do with
+    # their side tensor (``from_codes=False``); attending them from their codes is checked against
+    # the same reference in tests/engine/test_codes_attention_engine.py.
+    backend = RetentionAttention(parts.cache, loaded.model.args.num_heads, in_place=in_place,
+                                 from_codes=False)
     assert (backend.kernel is not None) == in_place
     eng = LLMEngine(loaded, parts=dataclasses.replace(parts, backend=backend))
     params = SamplingParams(temperature=0, max_tokens=DECODE, ignore_eos=True, prompt_logprobs=1, logprobs=1)

@@ -36,18 +36,24 @@ class _KeyOnly:
         pass
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("dim", [64, 128])
-def test_decode_from_codes_equals_decode_then_attend(dtype, tol, group, dim) -> None:
-    torch.manual_seed(dim + group)
-    cache = make_cache(120, dtype, dims=(LAYERS, HEADS, dim))
+def _frozen_rows(blocks: int, dtype: torch.dtype, dim: int):
+    """Three sequences: frozen blocks of four codec pairs then a KEY_ONLY range; none; one frozen
+    block first then a KEY_ONLY range. Returns the cache, the sequences and their states."""
+    cache = make_cache(blocks, dtype, dims=(LAYERS, HEADS, dim))
     seqs = [SeqKV(), SeqKV(), SeqKV()]
     for i, n in enumerate((7 * BS + 5, 2 * BS + 3, 4 * BS)):
         fill(cache, seqs[i], n, seed=i)
     assert freeze_blocks(cache, seqs[0], 1, [(4, 4), (4, 2), (2, 2), (8, 8)], 32) == 4
     assert freeze_blocks(cache, seqs[2], 0, [(4, 4)], 32) == 1
-    states = [_KeyOnly(5 * BS + 3, BS + 2, dim), None, _KeyOnly(BS, 5, dim)]
+    return cache, seqs, [_KeyOnly(5 * BS + 3, BS + 2, dim), None, _KeyOnly(BS, 5, dim)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_from_codes_equals_decode_then_attend(dtype, tol, group, dim) -> None:
+    torch.manual_seed(dim + group)
+    cache, seqs, states = _frozen_rows(120, dtype, dim)
     for s in seqs:
         cache.reserve(s, 1)
     positions = torch.tensor([s.num_slots for s in seqs])
@@ -98,3 +104,32 @@ def test_slots_straddling_hosts_apart_and_a_split_reused_across_steps(dtype, tol
         for a, b in zip(want, got, strict=True):
             assert (a - b).abs().max() <= tol
         codes_backend.end_step()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_prefill_chunks_from_codes_equal_decode_then_attend(dtype, tol, group, dim) -> None:
+    """Prefill chunks of three sequences with frozen blocks (several codec pairs; one row with a
+    KEY_ONLY range after them, its stand-in on the compacted slots) and one without: the cached
+    part's compressed blocks from codes, T x G queries per KV head, equal the gathered and decoded
+    table, in global and sliding-window layers."""
+    torch.manual_seed(dim + group + 1)
+    cache, seqs, states = _frozen_rows(160, dtype, dim)
+    chunks = [9, 16, 5]
+    for s, n in zip(seqs, chunks, strict=True):
+        cache.reserve(s, n)
+    positions = torch.cat([torch.arange(s.num_slots, s.num_slots + n)
+                           for s, n in zip(seqs, chunks, strict=True)])
+    rows = sum(chunks)  # a chunk's queries, keys and values in the model's dtype
+    q, k, v = (torch.randn(rows, h, dim).to(dtype) for h in (HEADS * group, HEADS, HEADS))
+    outs = {}
+    for from_codes in (False, True):
+        backend = RetentionAttention(cache, HEADS * group, from_codes=from_codes)
+        backend.begin_step(seqs, chunks, positions, states)
+        with_codes = [p.codes is not None for p in backend.prefills]
+        assert with_codes == [from_codes, False, from_codes]  # the second row has no frozen block
+        outs[from_codes] = [backend.attend(layer, q, k, v, window).float()
+                            for layer in range(LAYERS) for window in (None, 40)]
+    for want, got in zip(outs[False], outs[True], strict=True):
+        assert (want - got).abs().max() <= tol

@@ -1,4 +1,6 @@
-"""Decode rows' compressed blocks attended straight from their codes (CPU, the native codec library).
+"""Compressed blocks attended straight from their codes (CPU, the native codec library): decode rows',
+and a prefill chunk's cached part (its T queries fold into the head axis: every cached block is
+before the chunk, so all of them see it, and the library decodes each block once for them all).
 
 The gathering path decoded every compressed block (retention's int8 / int4 / k4v2 / int2 frozen blocks,
 the cache's cold blocks) into the gathered table in every layer of every decode step, then attended
@@ -120,9 +122,12 @@ def available(cache: KVCache) -> bool:
     return cache.kv.device.type == "cpu" and native.available()
 
 
-def split(cache: KVCache, seqs: list[SeqKV], memo: SplitMemo | None = None) -> CodesSplit | None:
+def split(cache: KVCache, seqs: list[SeqKV], memo: SplitMemo | None = None,
+          visible: list[int] | None = None) -> CodesSplit | None:
     """The split of decode rows ``seqs`` (their new slot reserved), or None when no row has a
-    compressed entry or one cannot be attended from codes (the caller then gathers and decodes)."""
+    compressed entry or one cannot be attended from codes (the caller then gathers and decodes).
+    ``visible``: the slots each row sees (default ``num_slots + 1``, a decode row's; a prefill
+    chunk's cached part passes ``num_slots``)."""
     memo = memo or SplitMemo()
     bs = cache.spec.block_size
     k_tables, v_tables, lengths, removed = [], [], [], []
@@ -131,7 +136,7 @@ def split(cache: KVCache, seqs: list[SeqKV], memo: SplitMemo | None = None) -> C
         rs = _row_split(cache, s, memo)
         if rs is None:
             return None
-        length, gone = s.num_slots + 1, []
+        length, gone = s.num_slots + 1 if visible is None else visible[row], []
         for j, pair, kb, vb in rs.compressed:
             valid = min(bs, length - j * bs)
             if valid <= 0:
@@ -207,6 +212,15 @@ def compacted(split_: CodesSplit, row: int, slot: int, block_size: int) -> int:
 def merge(cache: KVCache, layer: int, q: Tensor, split_: CodesSplit, out: Tensor, lse: Tensor) -> Tensor:
     """Attention of decode queries q [B, Hq, D] over their pool part (``out`` [B, Hq, D], ``lse``
     [B, Hq], from the flash kernel) and their compressed blocks, in q's dtype."""
+    return merge_lse(cache, layer, q, split_, out, lse)[0]
+
+
+def merge_lse(cache: KVCache, layer: int, q: Tensor, split_: CodesSplit, out: Tensor,
+              lse: Tensor) -> tuple[Tensor, Tensor]:
+    """``merge`` and the union's log-sum-exp [B, Hq] (fp32), for a caller that combines further.
+    The library maps query head h to KV head h // (Hq / Hkv), so a prefill chunk's T queries of one
+    sequence go in as one row of Hkv x G x T heads (ordered by KV head), every cached block
+    visible to all of them."""
     m = lse.float().contiguous()
     l = torch.ones_like(m)  # noqa: E741 (the softmax's running sum, as in the flash literature)
     acc = out.float().contiguous()
@@ -214,7 +228,7 @@ def merge(cache: KVCache, layer: int, q: Tensor, split_: CodesSplit, out: Tensor
     for g in split_.groups:
         keys, values = _source(cache, layer, g.k_spec, g.k_reads), _source(cache, layer, g.v_spec, g.v_reads)
         native.attend_codes(qs, keys, g.k_spec, values, g.v_spec, g.row_start, g.valid, (m, l, acc))
-    return (acc / l[..., None]).to(q.dtype)
+    return (acc / l[..., None]).to(q.dtype), m + torch.log(l)
 
 
 def _source(cache: KVCache, layer: int, spec: CodecSpec, reads: SlotPieces | SlotReads) -> native.Source:

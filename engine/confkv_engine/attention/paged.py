@@ -21,9 +21,10 @@ tensor ops. The step's tokens are the sequences' new tokens flattened in the ord
   per arena the rows and byte addresses to decode), and per layer the gather is one index_select
   followed by one batched decode per arena that overwrites those rows. By default (CPU, the
   native codec library; ``from_codes=False`` or ``CONFKV_CODES_ATTENTION=0`` turns it off) decode
-  rows instead attend them straight from their codes (``attention.codes``): the gathered table holds
-  the pool entries alone, compacted, the flash kernel returns their log-sum-exp and the library
-  folds the compressed blocks into it.
+  rows, and the cached part of a prefill chunk (its queries folded into the head axis), instead
+  attend them straight from their codes (``attention.codes``): the gathered table holds the pool
+  entries alone, compacted, the flash kernel returns their log-sum-exp and the library folds the
+  compressed blocks into it.
 - No upcast: the CPU flash-attention kernel accumulates bf16 / fp16 inputs in fp32 (as CUDA's
   kernels do), so q, K and V go in as they are stored. Masks are additive (0 / -inf) in the query's
   dtype; boolean 4D masks are avoided (they silently give wrong results in eager attention).
@@ -188,6 +189,12 @@ class PagedAttention:
     def _build_prefill(self, index: int, seq: SeqKV, n: int, rows: slice) -> PrefillPlan:
         bs = self.cache.spec.block_size
         ctx, cached = seq.num_slots + n, seq.num_slots
+        if self.split and cached and self.from_codes:
+            split = codes.split(self.cache, [seq], self._codes_memo, [cached])
+            if split is not None and split.lengths[0]:  # the cached part's compressed blocks from codes
+                nb = -(-split.lengths[0] // bs)
+                table = self.cache.gather_plan(split.k_tables[0][:nb] + split.v_tables[0][:nb])
+                return PrefillPlan(index, rows, table, ctx, cached, codes=split)
         nb = -(-(cached if self.split else ctx) // bs)
         table = self.cache.gather_plan(seq.k_blocks[:nb] + seq.v_blocks[:nb])
         if self.split:
@@ -307,7 +314,7 @@ class PagedAttention:
                                   Mask(visible.repeat(g, 1)[None, None]))
         table, mask = p.windowed[window]
         both = self._gather(layer, table).view(2, -1, hkv, d)[:, : p.ctx].transpose(1, 2)
-        keys, vals = both[0][None], self._prefill_values(layer, p, both[1][None])
+        keys, vals = both[0][None], self._prefill_values(layer, p, both[1][None], None)
         qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.additive(q.dtype))
         return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
@@ -326,9 +333,12 @@ class PagedAttention:
         if not p.cached:
             return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)[0].transpose(0, 1)
         own = partial.attend_lse(qh, kh, vh, causal=True)
-        keys, vals = self._gather_slots(layer, p, p.cached)
+        keys, vals = self._gather_slots(layer, p, p.cached if p.codes is None else p.codes.lengths[0])
         qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
         old_out, old_lse = partial.attend_lse(qg, keys, vals)  # every cached slot is visible
+        if p.codes is not None:  # fold the compressed blocks in, T x G queries per KV head
+            old_out, old_lse = codes.merge_lse(self.cache, layer, qg.reshape(1, hq * t, d), p.codes,
+                                               old_out.reshape(1, hq * t, d), old_lse.reshape(1, hq * t))
         old = (old_out.reshape(1, hq, t, d), old_lse.reshape(1, hq, t))
         return partial.combine([own, old])[0].transpose(0, 1)
 
@@ -336,7 +346,7 @@ class PagedAttention:
         """Slots ``[0, n)`` of a prefill plan's tables as [1, Hkv, n, D] keys and values."""
         hkv, d = self.cache.spec.num_kv_heads, self.cache.spec.head_dim
         both = self._gather(layer, p.table).view(2, -1, hkv, d)[:, :n].transpose(1, 2)  # [2, Hkv, n, D]
-        return both[0][None], self._prefill_values(layer, p, both[1][None])
+        return both[0][None], self._prefill_values(layer, p, both[1][None], p.codes)
 
     def _gather(self, layer: int, plan: GatherPlan) -> Tensor:
         """The plan's blocks of ``layer``: [rows, bs, Hkv, D], a fresh tensor (the one place the pool is
@@ -345,11 +355,13 @@ class PagedAttention:
 
     # Hooks for a subclass that stands in for some values (retention's KEY_ONLY tier); the tensors
     # are this layer's fresh gather, so they may be written in place. Prefill values hold
-    # the chunk's cached slots (split kernel) or its whole context (masked call).
+    # the chunk's cached slots (split kernel; compacted by ``split`` where its compressed blocks
+    # are attended from codes, else None) or its whole context (masked call).
     def _decode_values(self, layer: int, vals: Tensor, plan: DecodePlan) -> Tensor:  # [B, Hkv, S, D]
         return vals
 
-    def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:  # [1, Hkv, n, D]
+    def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor,  # [1, Hkv, n, D]
+                        split: codes.CodesSplit | None) -> Tensor:
         return vals
 
 

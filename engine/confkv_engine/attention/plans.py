@@ -45,6 +45,9 @@ class PrefillPlan:
     cached: int  # slots cached before this chunk
     mask: Mask | None = None  # [1, 1, G*T, ctx], only without the split kernel
     windowed: dict[int, tuple[GatherPlan, Mask]] | None = None  # per window: context table, mask
+    # The cached part's compressed entries attended from their codes (``attention.codes``): ``table``
+    # then holds its pool entries alone, compacted, ``codes.lengths[0]`` slots of them.
+    codes: codes.CodesSplit | None = None
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from confkv_engine.attention.codes import CodesSplit, compacted
 from confkv_engine.attention.paged import PagedAttention
 from confkv_engine.attention.plans import DecodePlan, PrefillPlan
 from confkv_engine.cache.kv_cache import KVCache, SeqKV
@@ -124,8 +125,10 @@ class RetentionAttention(PagedAttention):
                 vals[i, :, start:start + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
         return vals
 
-    def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor) -> Tensor:
+    def _prefill_values(self, layer: int, p: PrefillPlan, vals: Tensor, split: CodesSplit | None) -> Tensor:
         st = self._states[p.index]
         if st is not None and st.n_key:
-            vals[0, :, st.key_start:st.key_start + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
+            bs = self.cache.spec.block_size
+            start = st.key_start if split is None else compacted(split, 0, st.key_start, bs)
+            vals[0, :, start:start + st.n_key] = st.v_mean[layer].to(vals)[:, None, :]
         return vals
