@@ -101,7 +101,7 @@ class RetentionConfig:
     @property
     def uses_precision(self) -> bool:
         """conf-kv choosing precisions (int8/int4/k4v2/int2) besides FULL and DISCARD."""
-        return self.policy.startswith("conf-kv") and bool(self.tiers.chain)
+        return bool(self.tiers.chain)  # ``chain`` is empty under every other policy (__post_init__)
 
     @property
     def scale(self) -> float:
