@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void narrow_body(const W8 *w, int64
                 const int64_t c0 = g * 8 + h * span + round * span / 2;
                 /* Unrolled, with the sums pinned below: without the pin GCC summed the products
                    as a tree and spilled them; without the unroll it copied every sum back into
-                   place each chunk. Both at once: 0.83-0.90x the time on Gemma 3's Q5_0 shapes at
+                   place each chunk. Both at once: 0.82-0.90x the time on Gemma 3's Q5_0 shapes at
                    512-2,048 rows under the AVX2 emulation (docs/performance.md). */
                 _Pragma("GCC unroll 4")
                 for (int64_t c = c0; c < c0 + span / 2; c++) {

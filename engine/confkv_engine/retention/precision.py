@@ -52,8 +52,8 @@ from confkv_engine.retention.tiers import (
 
 
 def chain_of(cfg: TierConfig) -> list[Tier]:
-    """Kept tiers, highest precision first: FULL then the configured precision tiers."""
-    return [Tier.FULL] + [PRECISION_TIERS[p] for p in cfg.precisions]
+    """Kept tiers, highest precision first: FULL then the precision tiers in force."""
+    return [Tier.FULL] + [PRECISION_TIERS[p] for p in cfg.chain]
 
 
 def _loss(cfg: TierConfig, tier: Tier) -> float:
@@ -77,7 +77,7 @@ def step_weights(cfg: TierConfig, acct: KVAccounting) -> list[float]:
 def threshold_chain(conf: Tensor, cfg: TierConfig) -> Tensor:
     """Chain index each confidence asks for: 0 (FULL) at >= high, 1 in [last_tier_below, high), the
     last precision tier below."""
-    last = len(cfg.precisions)
+    last = len(cfg.chain)
     idx = torch.full_like(conf, last, dtype=torch.long)
     idx[conf >= cfg.last_tier_below] = min(1, last)
     idx[conf >= cfg.high] = 0

@@ -77,7 +77,7 @@ def accounting(cache: KVCache, cfg: RetentionConfig, shards: int = 1) -> KVAccou
     fixed = units * (spec.head_dim + 1) * 4 if cfg.uses_key_only else 0
     pairs = tuple((int(PRECISION_TIERS[p]), tier_pair_bytes(spec, TIER_BITS[PRECISION_TIERS[p]],
                                                             cfg.tiers.precision_group))
-                  for p in cfg.tiers.precisions) if cfg.uses_precision else ()
+                  for p in cfg.tiers.chain)
     return KVAccounting(spec.block_size, spec.block_bytes, meta if cfg.policy != "full" else 0, fixed, pairs)
 
 
